@@ -1,0 +1,334 @@
+"""A single-process facade over one rank's L1/L2 cache, for a scheduler or engine loop.
+
+The life of a request::
+
+    handle = cache.match(tokens)          # lock the cached prefix, start loading its host part
+    cache.wait_ready(handle)              # or handle.wait_layer(l) per layer in the forward
+    pages = cache.reserve(handle, n)      # device pages for n new tokens (evicts if needed)
+    ... write KV of the new tokens into those pages ...
+    cache.finish(handle, tokens)          # insert whole pages, apply the write policy, unlock
+
+``poll()`` reaps finished host writes (it is also called by every other entry point).
+Everything runs on the caller's thread except the page copies (see ``memory.transfer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache_ray.config import CacheConfig
+from hicache_ray.errors import HiCacheError, TransferError
+from hicache_ray.layout import ShardKV, host_pool_pages
+from hicache_ray.memory import DevicePool, HostPool, Transfer, TransferEngine, host_memory_budget
+from hicache_ray.stats import CacheStats
+from hicache_ray.tree import HiRadixTree, TreeNode, write_rule
+from hicache_ray.tree.tokens import TokenIds, encode_tokens
+
+__all__ = ["CacheFullError", "CacheHandle", "HiCache"]
+
+
+class CacheFullError(HiCacheError):
+    """The device pool cannot give a request the pages it asked for, even after eviction."""
+
+
+@dataclass
+class CacheHandle:
+    """One request's hold on the cache, from ``match`` to ``finish``.
+
+    Attributes:
+        key: the request's tokens as tree key bytes at match time.
+        device_pages: device pages of the cached prefix, then of reserved tokens, in order.
+        num_cached_tokens: tokens whose KV is (or is being loaded) on the device.
+        device_hit_tokens / host_hit_tokens: where the cached prefix came from.
+    """
+
+    key: bytes
+    device_pages: list[int]
+    num_cached_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+    locked_node: TreeNode
+    loads: list[Transfer] = field(default_factory=list)
+    loaded_nodes: list[TreeNode] = field(default_factory=list)
+    num_reserved_pages: int = 0
+    num_tokens: int = 0  # tokens with a device slot: cached plus reserved
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.num_tokens = self.num_cached_tokens
+
+    def slot_indices(self, start: int, end: int, page_size: int) -> list[int]:
+        """Device token slots of token positions ``[start, end)`` of this request."""
+        pages = self.device_pages
+        return [pages[i // page_size] * page_size + i % page_size for i in range(start, end)]
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until local layer ``layer`` of the cached prefix is on the device."""
+        for t in self.loads:
+            t.wait_until(layer, timeout)
+
+
+class HiCache:
+    """One rank's device pool, host pool, transfer engine and prefix tree."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        kv: ShardKV,
+        *,
+        device: torch.device | None = None,
+        host_budget_bytes: int | None = None,
+        num_copy_workers: int = 2,
+    ) -> None:
+        if kv.page_size != config.page_size:
+            raise ValueError(f"kv.page_size={kv.page_size} differs from {config.page_size}")
+        self.config = config
+        self.kv = kv
+        self.page_size = config.page_size
+        budget = host_memory_budget() if host_budget_bytes is None else host_budget_bytes
+        mem = config.memory
+        self.device_pool = DevicePool(kv, mem.num_device_pages, device)
+        self.host_pool = HostPool(
+            kv, host_pool_pages(config, kv, budget), mem.mem_layout, layer_granule=mem.layer_granule
+        )
+        self.transfers = TransferEngine(self.device_pool, self.host_pool, num_copy_workers)
+        self.tree = HiRadixTree(self.page_size)
+        self.rule = write_rule(config.write)
+        self.counters = CacheStats()
+        self._writes: list[tuple[Transfer, list[TreeNode]]] = []  # in flight, FIFO
+        self._num_private_pages = 0  # device pages held by handles, not (yet) in the tree
+
+    # --------------------------------------------------------------- requests
+
+    def match(self, tokens: TokenIds) -> CacheHandle:
+        """Match ``tokens``, lock the matched path and start loading its host part."""
+        self.poll()
+        key = encode_tokens(tokens)
+        m = self.tree.match_prefix(key)
+        self.tree.lock(m.best_match_node)
+        for node in self.tree.path(m.last_device_node):
+            if self.rule.wants_write(node):
+                self._write([node])
+        handle = CacheHandle(
+            key=key,
+            device_pages=list(m.device_pages),
+            num_cached_tokens=len(m.device_pages) * self.page_size,
+            device_hit_tokens=len(m.device_pages) * self.page_size,
+            host_hit_tokens=0,
+            locked_node=m.best_match_node,
+            loads=list(m.pending),  # type: ignore[arg-type]
+        )
+        if m.host_hit_pages:
+            self._load(handle, self.tree.path(m.best_match_node, stop=m.last_device_node))
+        self.counters.device_hit_tokens += handle.device_hit_tokens
+        self.counters.host_hit_tokens += handle.host_hit_tokens
+        return handle
+
+    def wait_ready(self, handle: CacheHandle, timeout: float | None = None) -> None:
+        """Wait for the loads of ``handle``; on a failed load, shorten its cached prefix."""
+        for t in handle.loads:
+            try:
+                t.wait(timeout)
+            except TransferError:
+                self.counters.load_failures += 1
+                self._drop_failed_load(handle, t)
+
+    def reserve(self, handle: CacheHandle, num_tokens: int) -> list[int]:
+        """Device pages for ``num_tokens`` more tokens of ``handle``, evicting if needed.
+
+        Raises:
+            CacheFullError: the pool cannot hold them even after evicting every unlocked page.
+        """
+        self.poll()
+        total = handle.num_tokens + num_tokens
+        need_pages = max(0, -(-total // self.page_size) - len(handle.device_pages))
+        pages = self._alloc_device(need_pages)
+        if pages is None:
+            raise CacheFullError(
+                f"device pool has {self.device_pool.allocator.num_free_pages} free pages after "
+                f"eviction; {need_pages} more needed (locked by running requests)"
+            )
+        handle.device_pages.extend(pages)
+        handle.num_reserved_pages += len(pages)
+        handle.num_tokens = total
+        self._num_private_pages += len(pages)
+        return pages
+
+    def finish(self, handle: CacheHandle, tokens: TokenIds) -> int:
+        """Insert the whole pages of ``tokens`` (the prefix plus computed tokens) and unlock.
+
+        ``tokens`` must start with the tokens matched; their KV must be in
+        ``handle.device_pages``. Returns the number of tokens now cached in the tree.
+        """
+        if handle.finished:
+            raise HiCacheError("finish() called twice for one handle")
+        key = encode_tokens(tokens)
+        if not key.startswith(handle.key[: handle.num_cached_tokens * 4]):
+            raise ValueError("finish(): tokens do not start with the matched prefix")
+        num_pages = min(len(key) // (4 * self.page_size), len(handle.device_pages))
+        result = self.tree.insert(key, handle.device_pages[:num_pages])
+        spare = handle.device_pages[num_pages:]
+        self.device_pool.allocator.free(result.duplicate_pages + spare)
+        self._num_private_pages -= handle.num_reserved_pages
+        handle.finished = True
+        self.tree.unlock(handle.locked_node)
+        written = [n for n in result.new_nodes + result.adopted_nodes if self.rule.wants_write(n)]
+        if written:
+            self._write(written)
+        return num_pages * self.page_size
+
+    def release(self, handle: CacheHandle) -> None:
+        """Give up a handle without inserting anything (the request failed or was aborted)."""
+        if handle.finished:
+            return
+        self.wait_ready(handle)
+        reserved = handle.device_pages[len(handle.device_pages) - handle.num_reserved_pages :]
+        self.device_pool.allocator.free(reserved)
+        self._num_private_pages -= handle.num_reserved_pages
+        handle.finished = True
+        self.tree.unlock(handle.locked_node)
+
+    # ------------------------------------------------------------- background
+
+    def poll(self) -> None:
+        """Reap finished host writes: unlock their nodes, drop the host copy on failure."""
+        while self._writes and self._writes[0][0].done:
+            t, nodes = self._writes.pop(0)
+            ok = t.ok
+            for node in nodes:
+                self.tree.unlock(node)
+            if ok:
+                self.counters.written_pages += len(t.host_pages)
+                self.counters.bytes_written += t.num_bytes
+            else:
+                self.counters.write_failures += 1
+                self._drop_host_copies(t)
+
+    def flush(self) -> None:
+        """Wait for every host write in flight."""
+        for t, _ in list(self._writes):
+            with contextlib.suppress(TransferError):
+                t.wait()
+        self.poll()
+
+    def close(self) -> None:
+        self.flush()
+        self.transfers.close()
+
+    # -------------------------------------------------------------- internals
+
+    def _alloc_device(self, num_pages: int) -> list[int] | None:
+        alloc = self.device_pool.allocator
+        if not alloc.can_allocate(num_pages):
+            hook = self._write_back if self.rule.on_evict else None
+            freed = self.tree.evict_device(num_pages - alloc.num_free_pages, hook)
+            alloc.free(freed)
+            self.counters.device_evicted_pages += len(freed)
+        return alloc.allocate(num_pages)
+
+    def _alloc_host(self, num_pages: int) -> list[int] | None:
+        alloc = self.host_pool.allocator
+        if not alloc.can_allocate(num_pages):
+            freed = self.tree.evict_host(num_pages - alloc.num_free_pages)
+            alloc.free(freed)
+            self.counters.host_evicted_pages += len(freed)
+        return alloc.allocate(num_pages)
+
+    def _load(self, handle: CacheHandle, nodes: list[TreeNode]) -> None:
+        """Start copying host-only ``nodes`` (a path, parents first) to the device."""
+        fits: list[TreeNode] = []
+        total = 0
+        for node in nodes:  # whole nodes only, a prefix of the path
+            total += len(node.host_pages or ())
+            fits.append(node)
+        device_pages = self._alloc_device(total)
+        while device_pages is None and fits:
+            total -= len(fits.pop().host_pages or ())
+            device_pages = self._alloc_device(total)
+        if not fits or device_pages is None:
+            self.counters.load_skipped_device_full += 1
+            return
+        host_pages = [p for n in fits for p in n.host_pages or ()]
+        t = self.transfers.load(host_pages, device_pages)
+        start = 0
+        for node in fits:
+            n = len(node.host_pages or ())
+            self.tree.set_device(node, device_pages[start : start + n], t)
+            start += n
+        handle.loads.append(t)
+        handle.loaded_nodes.extend(fits)
+        handle.device_pages.extend(device_pages)
+        tokens = len(device_pages) * self.page_size
+        handle.num_cached_tokens += tokens
+        handle.num_tokens += tokens
+        handle.host_hit_tokens += tokens
+        self.counters.loaded_pages += len(device_pages)
+        self.counters.bytes_loaded += t.num_bytes
+
+    def _drop_failed_load(self, handle: CacheHandle, t: Transfer) -> None:
+        nodes = [n for n in handle.loaded_nodes if n.device_pending is t]
+        for node in reversed(nodes):
+            self.device_pool.allocator.free(self.tree.clear_device(node))
+        keep = handle.device_hit_tokens // self.page_size
+        handle.device_pages = handle.device_pages[:keep]
+        handle.num_cached_tokens = handle.num_tokens = handle.device_hit_tokens
+        handle.host_hit_tokens = 0
+        handle.loads = []
+        handle.loaded_nodes = []
+
+    def _write(self, nodes: list[TreeNode]) -> Transfer | None:
+        """Start copying ``nodes`` (on device, no host copy) to the host; lock until done."""
+        total = sum(len(n.device_pages or ()) for n in nodes)
+        host_pages = self._alloc_host(total)
+        if host_pages is None:
+            self.counters.write_skipped_host_full += 1
+            return None
+        device_pages = [p for n in nodes for p in n.device_pages or ()]
+        t = self.transfers.write(device_pages, host_pages)
+        start = 0
+        for node in nodes:
+            n = len(node.device_pages or ())
+            self.tree.set_host(node, host_pages[start : start + n], t)
+            self.tree.lock(node)
+            start += n
+        self._writes.append((t, nodes))
+        return t
+
+    def _write_back(self, nodes: list[TreeNode]) -> None:
+        """Eviction under write_back: copy victims to the host before they leave the device."""
+        for node in nodes:
+            self.tree.lock(node)  # keep host eviction away from the victims' own path
+        try:
+            t = self._write(nodes)
+        finally:
+            for node in nodes:
+                self.tree.unlock(node)
+        if t is None:
+            return
+        with contextlib.suppress(TransferError):
+            t.wait()
+        self.poll()
+
+    def _drop_host_copies(self, t: Transfer) -> None:
+        for node in [n for n in self.tree.nodes() if n.host_pending is t]:
+            self.host_pool.allocator.free(self.tree.clear_host(node))
+
+    # --------------------------------------------------------------- checking
+
+    def check_integrity(self) -> None:
+        """Assert pool accounting: every used page belongs to the tree or to a handle."""
+        self.tree.check_integrity()
+        self.device_pool.check_integrity()
+        self.host_pool.check_integrity()
+        dev = self.device_pool.allocator
+        assert dev.num_used_pages == self.tree.num_device_pages + self._num_private_pages, (
+            f"device pages: {dev.num_used_pages} used, {self.tree.num_device_pages} in tree, "
+            f"{self._num_private_pages} held by requests"
+        )
+        host = self.host_pool.allocator
+        assert host.num_used_pages == self.tree.num_host_pages, (
+            f"host pages: {host.num_used_pages} used, {self.tree.num_host_pages} in tree"
+        )

@@ -1,0 +1,235 @@
+"""Frozen, validated configuration, grouped by concern.
+
+Every struct validates itself at construction (``__post_init__``) and raises
+:class:`~hicache_ray.errors.ConfigError` naming the field, the value and what to change.
+Checks that need the model's KV facts (host pool versus device pool size) live in
+:mod:`hicache_ray.layout`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import msgspec
+
+from hicache_ray.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_HIT_THRESHOLDS",
+    "CacheConfig",
+    "IoBackend",
+    "MemLayout",
+    "MemoryConfig",
+    "PrefetchConfig",
+    "PrefetchPolicy",
+    "StorageConfig",
+    "WriteConfig",
+    "WritePolicy",
+    "compatible_io_backends",
+]
+
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+MemLayout = Literal["layer_first", "page_first", "page_first_direct"]
+IoBackend = Literal["kernel", "direct"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+KeyScheme = Literal["unified", "rank-suffix"]
+
+# NOTE: `kernel` copies batches of pages with gather/scatter over per-layer views, which
+# needs each layer of the host pool addressable as rows of pages (layer_first, page_first).
+# `direct` copies one contiguous span per page and layer group, which is what a layout made
+# for direct storage I/O offers (page_first_direct); layer_first works with both.
+_COMPATIBLE: dict[str, tuple[str, ...]] = {
+    "kernel": ("layer_first", "page_first"),
+    "direct": ("layer_first", "page_first_direct"),
+}
+
+DEFAULT_HIT_THRESHOLDS: dict[str, int] = {
+    "write_through": 1,
+    "write_through_selective": 2,
+    "write_back": 1,
+}
+
+
+def compatible_io_backends(layout: str) -> tuple[str, ...]:
+    """The I/O backends that can move pages of host layout ``layout``."""
+    return tuple(b for b, layouts in _COMPATIBLE.items() if layout in layouts)
+
+
+def _check_choice(field: str, value: str, literal: object) -> None:
+    choices = get_args(literal)
+    if value not in choices:
+        raise ConfigError(field, value, "unknown name", f"use one of {', '.join(choices)}")
+
+
+def _check_positive(field: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(field, value, "must be positive", "set a value above 0")
+
+
+class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """L1 (device) and L2 (host) pool settings.
+
+    Attributes:
+        page_size: tokens per page; a power of two.
+        device_tokens: capacity of the device pool in tokens (rounded down to whole pages).
+        hicache_ratio: host pool size as a multiple of the device pool (used when
+            ``hicache_size_bytes`` is 0).
+        hicache_size_bytes: host pool size in bytes; 0 means "use hicache_ratio".
+        mem_layout: host pool layout.
+        io_backend: how pages move between tiers; must suit ``mem_layout``.
+        layer_granule: layers per storage object and per group of ``page_first_direct``;
+            0 means all layers of the rank.
+    """
+
+    page_size: int = 64
+    device_tokens: int = 65536
+    hicache_ratio: float = 2.0
+    hicache_size_bytes: int = 0
+    mem_layout: MemLayout = "page_first"
+    io_backend: IoBackend = "kernel"
+    layer_granule: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive("page_size", self.page_size)
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError(
+                "page_size", self.page_size, "not a power of two", "use 16, 32, 64, 128, ..."
+            )
+        _check_positive("device_tokens", self.device_tokens)
+        if self.device_tokens < self.page_size:
+            raise ConfigError(
+                "device_tokens",
+                self.device_tokens,
+                f"smaller than one page ({self.page_size} tokens)",
+                "give the device pool at least one page",
+            )
+        _check_positive("hicache_ratio", self.hicache_ratio)
+        if self.hicache_size_bytes < 0:
+            raise ConfigError(
+                "hicache_size_bytes", self.hicache_size_bytes, "negative", "use 0 or a byte count"
+            )
+        if self.layer_granule < 0:
+            raise ConfigError(
+                "layer_granule", self.layer_granule, "negative", "use 0 (all layers) or more"
+            )
+        _check_choice("mem_layout", self.mem_layout, MemLayout)
+        _check_choice("io_backend", self.io_backend, IoBackend)
+        if self.mem_layout not in _COMPATIBLE[self.io_backend]:
+            raise ConfigError(
+                "io_backend",
+                self.io_backend,
+                f"cannot move pages of mem_layout={self.mem_layout!r}",
+                f"use io_backend in {compatible_io_backends(self.mem_layout)} for this layout",
+            )
+
+    @property
+    def num_device_pages(self) -> int:
+        return self.device_tokens // self.page_size
+
+
+class WriteConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """When device pages are copied to the host pool.
+
+    Attributes:
+        policy: ``write_through`` copies every insert, ``write_through_selective`` copies a
+            node once its hit count reaches ``hit_threshold``, ``write_back`` copies only on
+            eviction from the device.
+        hit_threshold: 0 means the policy's default (1 for write_through, 2 for selective).
+    """
+
+    policy: WritePolicy = "write_through"
+    hit_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("write_policy", self.policy, WritePolicy)
+        if self.hit_threshold < 0:
+            raise ConfigError(
+                "hit_threshold", self.hit_threshold, "negative", "use 0 (default) or more"
+            )
+
+    @property
+    def effective_threshold(self) -> int:
+        return self.hit_threshold or DEFAULT_HIT_THRESHOLDS[self.policy]
+
+
+class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """L3 -> L2 prefetch settings.
+
+    Attributes:
+        policy: ``best_effort`` stops whenever the scheduler runs the request,
+            ``wait_complete`` waits for every page, ``timeout`` waits at most
+            ``timeout_base_s + timeout_per_1k_tokens_s * tokens / 1024`` (capped).
+        threshold_tokens: prefetch only when at least this many tokens lie past the L2 hit.
+        max_host_fraction: most of the host pool that running prefetches may hold, so
+            reads never starve writes.
+    """
+
+    policy: PrefetchPolicy = "timeout"
+    threshold_tokens: int = 256
+    timeout_base_s: float = 2.0
+    timeout_per_1k_tokens_s: float = 0.1
+    timeout_cap_s: float = 30.0
+    max_host_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_choice("prefetch_policy", self.policy, PrefetchPolicy)
+        if self.threshold_tokens < 0:
+            raise ConfigError(
+                "prefetch_threshold", self.threshold_tokens, "negative", "use 0 or more tokens"
+            )
+        for name in ("timeout_base_s", "timeout_per_1k_tokens_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "negative", "use 0 or more seconds")
+        _check_positive("timeout_cap_s", self.timeout_cap_s)
+        if not 0 < self.max_host_fraction <= 1:
+            raise ConfigError(
+                "max_host_fraction", self.max_host_fraction, "outside (0, 1]", "use e.g. 0.5"
+            )
+
+    def timeout_s(self, num_tokens: int) -> float:
+        """The deadline of a ``timeout`` prefetch of ``num_tokens`` tokens."""
+        raw = self.timeout_base_s + self.timeout_per_1k_tokens_s * num_tokens / 1024
+        return min(raw, self.timeout_cap_s)
+
+
+class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """L3 settings.
+
+    Attributes:
+        backend: registered backend name, or ``none`` for no L3.
+        batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch.
+        key_scheme: ``unified`` (shared across TP sizes) or ``rank-suffix``.
+    """
+
+    backend: str = "none"
+    batch_size_pages: int = 128
+    key_scheme: KeyScheme = "unified"
+
+    def __post_init__(self) -> None:
+        _check_positive("storage_batch_size", self.batch_size_pages)
+        _check_choice("key_scheme", self.key_scheme, KeyScheme)
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the per-rank cache needs, grouped by concern."""
+
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
+    write: WriteConfig = msgspec.field(default_factory=WriteConfig)
+    prefetch: PrefetchConfig = msgspec.field(default_factory=PrefetchConfig)
+    storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
+
+    def __post_init__(self) -> None:
+        mem = self.memory
+        ratio_sized = self.write.policy == "write_through" and not mem.hicache_size_bytes
+        if ratio_sized and mem.hicache_ratio <= 1.0:
+            raise ConfigError(
+                "hicache_ratio",
+                mem.hicache_ratio,
+                "a host pool not larger than the device pool leaves no room for L3 hits "
+                "under write_through (the host tier mirrors the device tier)",
+                "set hicache_ratio above 1 (default 2.0) or use write_back",
+            )
+
+    @property
+    def page_size(self) -> int:
+        return self.memory.page_size

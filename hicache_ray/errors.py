@@ -1,0 +1,26 @@
+"""Exceptions shared across the package."""
+
+from __future__ import annotations
+
+__all__ = ["AllocatorError", "ConfigError", "HiCacheError", "TransferError"]
+
+
+class HiCacheError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(HiCacheError, ValueError):
+    """An invalid setting: the message names the field, the value and the fix."""
+
+    def __init__(self, field: str, value: object, problem: str, fix: str) -> None:
+        super().__init__(f"{field}={value!r}: {problem}; {fix}")
+        self.field = field
+        self.value = value
+
+
+class AllocatorError(HiCacheError, RuntimeError):
+    """A page was freed twice, or handed out while already in use (accounting is broken)."""
+
+
+class TransferError(HiCacheError, RuntimeError):
+    """A copy between tiers failed; the pages it touched hold no valid KV."""

@@ -1,0 +1,114 @@
+"""Nodes of the hierarchical radix tree and the result of a prefix match."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["MatchResult", "Pending", "TreeNode"]
+
+
+class Pending(Protocol):
+    """An in-flight copy into a node's pages (a Transfer satisfies it)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def ok(self) -> bool: ...
+
+
+class TreeNode:
+    """A run of whole pages of tokens, with where its KV lives.
+
+    ``key`` holds the tokens as uint32 little-endian bytes (whole pages); ``device_pages``
+    and ``host_pages`` hold one page id per page of the key, or None when the tier holds no
+    copy. A node whose copy into a tier is still in flight carries the copy in
+    ``device_pending`` / ``host_pending``; after a split both halves share it.
+
+    States: on device (``device_pages`` set), ``evicted`` (not on device), ``backuped`` (a
+    completed host copy), dead (neither: its subtree cannot be reached by a match).
+    """
+
+    __slots__ = (
+        "children",
+        "device_pages",
+        "device_pending",
+        "hit_count",
+        "host_pages",
+        "host_pending",
+        "id",
+        "key",
+        "last_access",
+        "lock_ref",
+        "num_device_children",
+        "parent",
+    )
+
+    def __init__(self, node_id: int, key: bytes, parent: TreeNode | None) -> None:
+        self.id = node_id
+        self.key = key
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.device_pages: list[int] | None = None
+        self.host_pages: list[int] | None = None
+        self.device_pending: Pending | None = None
+        self.host_pending: Pending | None = None
+        self.lock_ref = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.num_device_children = 0
+
+    @property
+    def evicted(self) -> bool:
+        return self.device_pages is None
+
+    @property
+    def backuped(self) -> bool:
+        """A host copy exists and its write has completed."""
+        if self.host_pages is None:
+            return False
+        pending = self.host_pending
+        return pending is None or (pending.done and pending.ok)
+
+    @property
+    def dead(self) -> bool:
+        return self.device_pages is None and self.host_pages is None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages if self.device_pages is not None else self.host_pages or ())
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, tokens={len(self.key) // 4}, "
+            f"device={self.device_pages is not None}, host={self.host_pages is not None}, "
+            f"lock={self.lock_ref})"
+        )
+
+
+@dataclass
+class MatchResult:
+    """What :meth:`HiRadixTree.match_prefix` found for a token sequence.
+
+    Attributes:
+        device_pages: device page ids of the longest prefix on the device, in order.
+        last_device_node: deepest node of that prefix (the root when nothing matched).
+        last_host_node: deepest matched node with a host copy.
+        best_match_node: deepest node present in L1 or L2; the host-only part of the match is
+            the path from ``last_device_node`` (exclusive) to here.
+        host_hit_pages: pages of the match past the device prefix (their KV is on the host).
+        pending: copies into the matched device pages still in flight; wait on them before
+            reading those pages.
+    """
+
+    device_pages: list[int]
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    best_match_node: TreeNode
+    host_hit_pages: int
+    pending: list[Pending] = field(default_factory=list)
+
+    @property
+    def num_device_pages(self) -> int:
+        return len(self.device_pages)

@@ -1,0 +1,435 @@
+"""The hierarchical radix tree: which token prefixes are cached, and in which tier.
+
+The tree is control plane only: it records page ids and returns the ids it stops using;
+the caller owns the pools and frees those pages. Not thread-safe: one rank's scheduler
+thread drives it.
+
+Invariants (checked by :meth:`HiRadixTree.check_integrity`):
+  * keys are whole pages; a child is indexed by the first page of its key;
+  * device residency is closed towards the root: a node on the device has a parent on the
+    device (or the root), so the device-ready part of a match is a prefix of it;
+  * a node's ``lock_ref`` counts locks on it and on its descendants, so a locked path is
+    never evicted from either tier;
+  * a non-root node without children holds KV in some tier (dead leaves are deleted).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from hicache_ray.tree.node import MatchResult, Pending, TreeNode
+from hicache_ray.tree.tokens import TOKEN_BYTES, TokenIds, encode_tokens
+
+__all__ = ["HiRadixTree", "InsertResult"]
+
+
+@dataclass
+class InsertResult:
+    """What :meth:`HiRadixTree.insert` did with the caller's pages.
+
+    Attributes:
+        duplicate_pages: caller pages for a prefix the tree already held on the device under
+            other pages; the caller frees them.
+        new_nodes: nodes created for the caller's pages, in path order.
+        adopted_nodes: existing host-only nodes that took the caller's pages as their device
+            copy, in path order.
+    """
+
+    duplicate_pages: list[int] = field(default_factory=list)
+    new_nodes: list[TreeNode] = field(default_factory=list)
+    adopted_nodes: list[TreeNode] = field(default_factory=list)
+
+
+class HiRadixTree:
+    """Radix tree over token pages with a device value and a host value per node."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES  # one page of key bytes
+        self.root = TreeNode(0, b"", None)
+        self.root.device_pages = []
+        self.root.host_pages = []
+        self.root.lock_ref = 1  # never evicted
+        self._next_id = 1
+        self._clock = 0
+        self._device_leaves: set[TreeNode] = set()  # on device, no child on device
+        self._host_leaves: set[TreeNode] = set()  # not on device, no children
+        self.num_device_pages = 0
+        self.num_host_pages = 0
+        self.num_nodes = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def match_prefix(self, tokens: TokenIds) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages only).
+
+        Updates recency and hit counts of the matched nodes, and splits a node the match ends
+        inside of (which changes no cached content).
+        """
+        page = self._page_bytes
+        key = encode_tokens(tokens)
+        n = len(key) - len(key) % page
+        self._clock += 1
+        now = self._clock
+        node, pos = self.root, 0
+        device_pages: list[int] = []
+        pending: list[Pending] = []
+        last_device = last_host = best = self.root
+        host_hit = 0
+        on_device = True
+        while pos < n:
+            child = node.children.get(key[pos : pos + page])
+            if child is None or child.dead:
+                break
+            klen = len(child.key)
+            if key[pos : pos + klen] != child.key:
+                klen = self._common_pages(child.key, key, pos) * page
+                child = self._split(child, klen)
+            child.last_access = now
+            child.hit_count += 1
+            if on_device and child.device_pages is not None:
+                device_pages.extend(child.device_pages)
+                if child.device_pending is not None and not child.device_pending.done:
+                    pending.append(child.device_pending)
+                last_device = child
+            else:
+                on_device = False
+                host_hit += klen // page
+            if child.host_pages is not None:
+                last_host = child
+            best = child
+            node, pos = child, pos + klen
+        return MatchResult(device_pages, last_device, last_host, best, host_hit, pending)
+
+    def path(self, node: TreeNode, stop: TreeNode | None = None) -> list[TreeNode]:
+        """Nodes from just below ``stop`` (default: the root) down to ``node``, in order."""
+        out = []
+        stop = stop or self.root
+        while node is not stop and node is not self.root:
+            out.append(node)
+            assert node.parent is not None
+            node = node.parent
+        out.reverse()
+        return out
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @property
+    def evictable_device_pages(self) -> int:
+        return sum(len(n.device_pages or ()) for n in self.nodes() if not n.lock_ref)
+
+    # ---------------------------------------------------------------- mutations
+
+    def insert(self, tokens: TokenIds, device_pages: Sequence[int]) -> InsertResult:
+        """Record that ``device_pages`` hold the KV of the first ``len(device_pages)`` pages.
+
+        ``tokens`` must cover those pages; extra tokens are ignored.
+        """
+        page = self._page_bytes
+        n = len(device_pages) * page
+        key = encode_tokens(tokens)
+        if len(key) < n:
+            raise ValueError(
+                f"{len(device_pages)} pages need {n // TOKEN_BYTES} tokens, "
+                f"got {len(key) // TOKEN_BYTES}"
+            )
+        key = key[:n]
+        self._clock += 1
+        now = self._clock
+        result = InsertResult()
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(key[pos : pos + page])
+            first = pos // page
+            if child is None:
+                new = self._add_child(node, key[pos:], now)
+                self._set_device(new, list(device_pages[first:]))
+                new.hit_count = 1
+                result.new_nodes.append(new)
+                break
+            klen = len(child.key)
+            if key[pos : pos + klen] != child.key:
+                klen = self._common_pages(child.key, key, pos) * page
+                child = self._split(child, klen)
+            child.last_access = now
+            segment = list(device_pages[first : first + klen // page])
+            if child.device_pages is None:
+                self._set_device(child, segment)
+                result.adopted_nodes.append(child)
+            elif child.device_pages != segment:
+                result.duplicate_pages.extend(segment)
+            node, pos = child, pos + klen
+        return result
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction in both tiers."""
+        while node is not self.root:
+            node.lock_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of {node} which is not locked")
+            node.lock_ref -= 1
+            assert node.parent is not None
+            node = node.parent
+
+    def set_device(self, node: TreeNode, pages: list[int], pending: Pending | None) -> None:
+        """Give a host-only node a device copy (a load into ``pages``, maybe in flight)."""
+        if node.device_pages is not None:
+            raise RuntimeError(f"{node} is already on the device")
+        if node.parent is not self.root and node.parent is not None and node.parent.evicted:
+            raise RuntimeError(f"{node}: its parent is not on the device; load parents first")
+        self._set_device(node, pages)
+        node.device_pending = pending
+
+    def clear_device(self, node: TreeNode) -> list[int]:
+        """Drop the device copy of a node with no child on the device; returns its pages."""
+        if node.num_device_children:
+            raise RuntimeError(f"{node} has children on the device; clear them first")
+        pages = node.device_pages or []
+        if node.device_pages is not None:
+            self._clear_device(node)
+        if node.dead and not node.children:
+            self._delete(node)
+        return pages
+
+    def set_host(self, node: TreeNode, pages: list[int], pending: Pending | None) -> None:
+        """Record a host copy of ``node`` (a write into ``pages``, maybe in flight)."""
+        if node.host_pages is not None:
+            raise RuntimeError(f"{node} already has a host copy")
+        if len(pages) != len(node.key) // self._page_bytes:
+            raise ValueError(f"{node} needs {len(node.key) // self._page_bytes} host pages")
+        node.host_pages = pages
+        node.host_pending = pending
+        self.num_host_pages += len(pages)
+
+    def clear_host(self, node: TreeNode) -> list[int]:
+        """Drop the host copy of ``node`` (e.g. its write failed); returns its pages."""
+        pages = node.host_pages or []
+        if node.host_pages is not None:
+            node.host_pages = None
+            node.host_pending = None
+            self.num_host_pages -= len(pages)
+            if node.dead and not node.children:
+                self._delete(node)
+        return pages
+
+    def evict_device(
+        self,
+        num_pages: int,
+        write_back: Callable[[list[TreeNode]], None] | None = None,
+    ) -> list[int]:
+        """Evict at least ``num_pages`` device pages, least recently used leaves first.
+
+        ``write_back`` (write_back policy) is called with each batch of victims that have
+        no host copy, before their device pages are dropped; it may give them one with
+        :meth:`set_host`. A victim left without a host copy is deleted (or left dead when it
+        still has host-only children). Locked nodes are never evicted. Returns the freed
+        device pages (possibly fewer than asked when too much is locked).
+        """
+        heap = [(n.last_access, n.id, n) for n in self._device_leaves if not n.lock_ref]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            batch: list[TreeNode] = []
+            want = num_pages - len(freed)
+            while heap and want > 0:
+                node = heapq.heappop(heap)[2]
+                if node.lock_ref or node.device_pages is None or node.num_device_children:
+                    continue
+                batch.append(node)
+                want -= len(node.device_pages)
+            if write_back is not None:
+                unwritten = [n for n in batch if n.host_pages is None]
+                if unwritten:
+                    write_back(unwritten)
+            for node in batch:
+                parent = node.parent
+                freed.extend(self.clear_device(node))
+                if (
+                    parent is not None
+                    and parent is not self.root
+                    and parent in self._device_leaves
+                    and not parent.lock_ref
+                ):
+                    heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def evict_host(self, num_pages: int) -> list[int]:
+        """Evict at least ``num_pages`` host pages from host-only leaves, LRU first."""
+        heap = [(n.last_access, n.id, n) for n in self._host_leaves if not n.lock_ref]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            node = heapq.heappop(heap)[2]
+            if node.lock_ref or node.device_pages is not None or node.children:
+                continue
+            parent = node.parent
+            freed.extend(node.host_pages or ())
+            if node.host_pages is not None:
+                self.num_host_pages -= len(node.host_pages)
+                node.host_pages = None
+            self._delete(node)
+            if parent is not None and parent in self._host_leaves and not parent.lock_ref:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    # ----------------------------------------------------------------- internals
+
+    def _common_pages(self, node_key: bytes, key: bytes, pos: int) -> int:
+        page = self._page_bytes
+        i = page  # the first page matched through the child index
+        limit = min(len(node_key), len(key) - pos)
+        while i + page <= limit and node_key[i : i + page] == key[pos + i : pos + i + page]:
+            i += page
+        return i // page
+
+    def _add_child(self, parent: TreeNode, key: bytes, now: int) -> TreeNode:
+        node = TreeNode(self._next_id, key, parent)
+        self._next_id += 1
+        node.last_access = now
+        parent.children[key[: self._page_bytes]] = node
+        self.num_nodes += 1
+        self._refresh(parent)
+        return node
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Split ``child`` so its first ``split_len`` key bytes become a new parent node."""
+        page = self._page_bytes
+        parent = child.parent
+        assert parent is not None and 0 < split_len < len(child.key)
+        mid = TreeNode(self._next_id, child.key[:split_len], parent)
+        self._next_id += 1
+        self.num_nodes += 1
+        cut = split_len // page
+        for attr in ("device_pages", "host_pages"):
+            pages = getattr(child, attr)
+            if pages is not None:
+                setattr(mid, attr, pages[:cut])
+                setattr(child, attr, pages[cut:])
+        mid.device_pending = child.device_pending
+        mid.host_pending = child.host_pending
+        mid.lock_ref = child.lock_ref
+        mid.hit_count = child.hit_count
+        mid.last_access = child.last_access
+        child.key = child.key[split_len:]
+        child.parent = mid
+        mid.children[child.key[:page]] = child
+        mid.num_device_children = 0 if child.device_pages is None else 1
+        parent.children[mid.key[:page]] = mid
+        self._refresh(mid)
+        return mid
+
+    def _set_device(self, node: TreeNode, pages: list[int]) -> None:
+        if len(pages) != len(node.key) // self._page_bytes:
+            raise ValueError(f"{node} needs {len(node.key) // self._page_bytes} device pages")
+        node.device_pages = pages
+        self.num_device_pages += len(pages)
+        parent = node.parent
+        assert parent is not None
+        parent.num_device_children += 1
+        self._refresh(node)
+        self._refresh(parent)
+
+    def _clear_device(self, node: TreeNode) -> None:
+        assert node.device_pages is not None
+        self.num_device_pages -= len(node.device_pages)
+        node.device_pages = None
+        node.device_pending = None
+        parent = node.parent
+        assert parent is not None
+        parent.num_device_children -= 1
+        self._refresh(node)
+        self._refresh(parent)
+
+    def _delete(self, node: TreeNode) -> None:
+        """Remove a childless node with no KV left in any tier; dead parents follow."""
+        while node is not self.root and node.dead and not node.children and not node.lock_ref:
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[: self._page_bytes]]
+            self._device_leaves.discard(node)
+            self._host_leaves.discard(node)
+            self.num_nodes -= 1
+            node.parent = None
+            self._refresh(parent)
+            node = parent
+
+    def _refresh(self, node: TreeNode) -> None:
+        """Recompute which leaf sets ``node`` belongs to."""
+        if node is self.root:
+            return
+        if node.device_pages is not None and not node.num_device_children:
+            self._device_leaves.add(node)
+        else:
+            self._device_leaves.discard(node)
+        if node.device_pages is None and not node.children:
+            self._host_leaves.add(node)
+        else:
+            self._host_leaves.discard(node)
+
+    # ----------------------------------------------------------------- checking
+
+    def check_integrity(self) -> None:
+        """Assert every invariant in the module docstring and the page counters."""
+        page = self._page_bytes
+        device_total = host_total = count = 0
+        seen_device: set[int] = set()
+        seen_host: set[int] = set()
+        device_leaves: set[TreeNode] = set()
+        host_leaves: set[TreeNode] = set()
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            lock_sum = 0
+            device_children = 0
+            for first, child in node.children.items():
+                assert child.parent is node, f"{child}: wrong parent"
+                assert child.key[:page] == first, f"{child}: indexed under another page"
+                lock_sum += child.lock_ref
+                device_children += child.device_pages is not None
+                stack.append(child)
+            assert node.lock_ref >= lock_sum, f"{node}: lock_ref below its children's"
+            assert node.num_device_children == device_children, f"{node}: device child count"
+            if node is self.root:
+                continue
+            count += 1
+            pages = len(node.key) // page
+            assert node.key and len(node.key) % page == 0, f"{node}: key not whole pages"
+            assert node.lock_ref >= 0, f"{node}: negative lock_ref"
+            assert node.children or not node.dead, f"{node}: dead leaf"
+            parent = node.parent
+            assert parent is not None
+            if node.device_pages is not None:
+                assert len(node.device_pages) == pages, f"{node}: device page count"
+                assert parent is self.root or parent.device_pages is not None, (
+                    f"{node}: on device under an evicted parent"
+                )
+                assert seen_device.isdisjoint(node.device_pages), f"{node}: device page reused"
+                seen_device.update(node.device_pages)
+                device_total += pages
+                if not device_children:
+                    device_leaves.add(node)
+            elif not node.children:
+                host_leaves.add(node)
+            if node.host_pages is not None:
+                assert len(node.host_pages) == pages, f"{node}: host page count"
+                assert seen_host.isdisjoint(node.host_pages), f"{node}: host page reused"
+                seen_host.update(node.host_pages)
+                host_total += pages
+        assert count == self.num_nodes, "node count"
+        assert device_total == self.num_device_pages, "device page counter"
+        assert host_total == self.num_host_pages, "host page counter"
+        assert device_leaves == self._device_leaves, "device leaf set"
+        assert host_leaves == self._host_leaves, "host leaf set"
