@@ -222,11 +222,17 @@ class HiCache:
 
     def _alloc_device(self, num_pages: int) -> list[int] | None:
         alloc = self.device_pool.allocator
-        if not alloc.can_allocate(num_pages):
-            hook = self._write_back if self.rule.on_evict else None
+        hook = self._write_back if self.rule.on_evict else None
+        while not alloc.can_allocate(num_pages):
             freed = self.tree.evict_device(num_pages - alloc.num_free_pages, hook)
             alloc.free(freed)
             self.counters.device_evicted_pages += len(freed)
+            if alloc.can_allocate(num_pages) or not self._writes:
+                break
+            # Pages still being written to the host are locked; wait for the oldest write.
+            with contextlib.suppress(TransferError):
+                self._writes[0][0].wait()
+            self.poll()
         return alloc.allocate(num_pages)
 
     def _alloc_host(self, num_pages: int) -> list[int] | None:

@@ -400,7 +400,7 @@ class HiRadixTree:
                 lock_sum += child.lock_ref
                 device_children += child.device_pages is not None
                 stack.append(child)
-            assert node.lock_ref >= lock_sum, f"{node}: lock_ref below its children's"
+            assert node is self.root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
             assert node.num_device_children == device_children, f"{node}: device child count"
             if node is self.root:
                 continue

@@ -1,0 +1,122 @@
+"""The machine-readable report every ``hicache-ray bench ...`` and ``demo`` writes.
+
+Schema (``schema_version`` 1)::
+
+    {"schema_version": 1, "command": str, "machine": Machine, "config": {str: any},
+     "figures": [Figure, ...]}
+
+``ratio`` is value / ceiling; ``target`` applies to ``ratio`` when there is a ceiling, else
+to ``value``; ``meets`` compares it in the ``better`` direction.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import psutil
+import torch
+
+__all__ = ["Figure", "Machine", "Report", "figure", "machine_info"]
+
+
+class Machine(msgspec.Struct, frozen=True, kw_only=True):
+    cpu_count: int
+    memory_bytes: int
+    python: str
+    torch: str
+    ray: str | None
+    accelerator: str
+
+
+class Figure(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    value: float
+    unit: str
+    ceiling: float | None
+    ratio: float | None
+    target: float | None
+    better: Literal["higher", "lower"]
+    meets: bool | None
+
+
+class Report(msgspec.Struct, frozen=True, kw_only=True):
+    schema_version: int = 1
+    command: str
+    machine: Machine
+    config: dict[str, Any]
+    figures: list[Figure]
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=2))
+
+    def table(self) -> str:
+        """A fixed-width table of the figures for the terminal."""
+        rows = [("figure", "value", "unit", "ceiling", "ratio", "target", "meets")]
+        for f in self.figures:
+            rows.append(
+                (
+                    f.name,
+                    f"{f.value:.4g}",
+                    f.unit,
+                    "-" if f.ceiling is None else f"{f.ceiling:.4g}",
+                    "-" if f.ratio is None else f"{f.ratio:.3f}",
+                    "-" if f.target is None else f"{f.target:g}",
+                    {True: "yes", False: "NO", None: "-"}[f.meets],
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows
+        )
+
+
+def figure(
+    name: str,
+    value: float,
+    unit: str,
+    *,
+    ceiling: float | None = None,
+    target: float | None = None,
+    better: Literal["higher", "lower"] = "higher",
+) -> Figure:
+    """A figure with its ratio and verdict filled in."""
+    ratio = value / ceiling if ceiling else None
+    judged = ratio if ceiling else value
+    meets = None
+    if target is not None and judged is not None:
+        meets = judged >= target if better == "higher" else judged <= target
+    return Figure(
+        name=name,
+        value=value,
+        unit=unit,
+        ceiling=ceiling,
+        ratio=ratio,
+        target=target,
+        better=better,
+        meets=meets,
+    )
+
+
+def machine_info() -> Machine:
+    try:
+        import ray
+
+        ray_version: str | None = ray.__version__
+    except ImportError:
+        ray_version = None
+    if torch.cuda.is_available():
+        accel = torch.cuda.get_device_name(0)
+    else:
+        accel = f"none (CPU: {platform.processor() or platform.machine()})"
+    return Machine(
+        cpu_count=os.cpu_count() or 1,
+        memory_bytes=int(psutil.virtual_memory().total),
+        python=platform.python_version(),
+        torch=str(torch.__version__),
+        ray=ray_version,
+        accelerator=accel,
+    )

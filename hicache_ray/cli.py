@@ -1,0 +1,91 @@
+"""The ``hicache-ray`` command line (the composition root)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from hicache_ray.bench.report import Figure, Report, machine_info
+from hicache_ray.memory import default_device
+
+__all__ = ["main"]
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def _device(name: str) -> torch.device:
+    return default_device() if name == "auto" else torch.device(name)
+
+
+def _bench_micro(args: argparse.Namespace) -> int:
+    from hicache_ray.bench.micro import MicroOptions, run_micro
+
+    opts = MicroOptions.quick() if args.quick else MicroOptions()
+    device = _device(args.device)
+    torch.set_num_threads(args.threads)
+    figures = run_micro(opts, device, _log)
+    config = {**dataclasses.asdict(opts), "device": str(device), "threads": args.threads}
+    return _finish(args, "bench micro", config, figures)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from hicache_ray.demo_local import LocalDemoOptions, run_local_demo
+
+    opts = LocalDemoOptions(clients=args.clients, rounds=args.rounds)
+    device = _device(args.device)
+    torch.set_num_threads(args.threads)
+    figures, ok = run_local_demo(opts, device, _log)
+    _finish(args, "demo", {**dataclasses.asdict(opts), "device": str(device)}, figures)
+    _log("read-back check: " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def _finish(
+    args: argparse.Namespace, command: str, config: dict[str, object], figures: list[Figure]
+) -> int:
+    report = Report(command=command, machine=machine_info(), config=config, figures=figures)
+    _log(report.table())
+    if args.json:
+        report.write(args.json)
+        _log(f"wrote {args.json}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-ray", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", metavar="PATH", help="write the report (schema in README)")
+        p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+        p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+
+    demo = sub.add_parser("demo", help="multi-turn workload through one rank's L1/L2")
+    common(demo)
+    demo.add_argument("--clients", type=int, default=16)
+    demo.add_argument("--rounds", type=int, default=5)
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks that print figures beside ceilings")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    micro = bench_sub.add_parser("micro", help="L1<->L2 bandwidth per layout; tree throughput")
+    common(micro)
+    micro.add_argument("--quick", action="store_true", help="small shapes, for smoke tests")
+    micro.set_defaults(func=_bench_micro)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from hicache_ray.bench.report import Report, figure
+from hicache_ray.cli import main
+
+
+def test_figure_verdicts() -> None:
+    f = figure("x", 8.0, "GB/s", ceiling=10.0, target=0.8)
+    assert f.ratio == 0.8 and f.meets
+    assert not figure("y", 5.0, "ms", target=3, better="lower").meets
+    assert figure("z", 1.0, "s").meets is None
+
+
+def test_bench_micro_quick_writes_schema(tmp_path: Path) -> None:
+    out = tmp_path / "micro.json"
+    assert main(["bench", "micro", "--quick", "--device", "cpu", "--json", str(out)]) == 0
+    report = msgspec.json.decode(out.read_bytes(), type=Report)
+    assert report.schema_version == 1 and report.command == "bench micro"
+    names = {f.name for f in report.figures}
+    for layout in ("layer_first", "page_first", "page_first_direct"):
+        assert f"transfer.load.{layout}.gbps" in names
+        assert f"transfer.write.{layout}.gbps" in names
+    assert {"tree.insert_per_s", "tree.match_per_s", "tree.evict_all_s"} <= names
+    for f in report.figures:
+        if f.name.startswith("transfer."):
+            assert f.ceiling and f.ceiling > 0 and f.ratio is not None and f.value > 0
+
+
+def test_demo_small_passes_read_back(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    code = main(["demo", "--clients", "4", "--rounds", "3", "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    report = msgspec.json.decode(out.read_bytes(), type=Report)
+    by_name = {f.name: f for f in report.figures}
+    assert by_name["demo.local.readback_failures"].value == 0
+    assert by_name["demo.local.hit_tokens.l1"].value > 0

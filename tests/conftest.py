@@ -1,0 +1,72 @@
+"""Builders shared by the suites (keyword-only defaults) and the environment every test needs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hicache_ray.config import CacheConfig, MemoryConfig, WriteConfig
+from hicache_ray.layout import ModelKV, Shard, ShardKV
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+torch.set_num_threads(2)
+
+CPU = torch.device("cpu")
+
+
+def make_kv(
+    *,
+    num_layers: int = 3,
+    num_kv_heads: int = 4,
+    head_dim: int = 8,
+    dtype: str = "float32",
+    page_size: int = 4,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    kv_lora_rank: int = 0,
+) -> ShardKV:
+    model = ModelKV(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,  # type: ignore[arg-type]
+        kv_lora_rank=kv_lora_rank,
+    )
+    shard = Shard(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    return ShardKV(model=model, shard=shard, page_size=page_size)
+
+
+def make_config(
+    *,
+    page_size: int = 4,
+    device_tokens: int = 64,
+    hicache_ratio: float = 2.0,
+    mem_layout: str = "page_first",
+    io_backend: str | None = None,
+    write_policy: str = "write_through",
+    hit_threshold: int = 0,
+) -> CacheConfig:
+    if io_backend is None:
+        io_backend = "direct" if mem_layout == "page_first_direct" else "kernel"
+    return CacheConfig(
+        memory=MemoryConfig(
+            page_size=page_size,
+            device_tokens=device_tokens,
+            hicache_ratio=hicache_ratio,
+            mem_layout=mem_layout,  # type: ignore[arg-type]
+            io_backend=io_backend,  # type: ignore[arg-type]
+            layer_granule=2,
+        ),
+        write=WriteConfig(policy=write_policy, hit_threshold=hit_threshold),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def kv() -> ShardKV:
+    return make_kv()

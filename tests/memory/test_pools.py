@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_ray.memory import DevicePool, HostPool
+from tests.conftest import CPU, make_kv
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_page_bytes_round_trip_in_storage_order(layout: str, dtype: str) -> None:
+    kv = make_kv(dtype=dtype)
+    pool = HostPool(kv, 5, layout, layer_granule=2)  # type: ignore[arg-type]
+    payload = np.random.default_rng(0).integers(0, 255, kv.page_bytes, dtype=np.uint8)
+    pool.set_page_bytes(3, payload.tobytes())
+    assert bytes(pool.get_page_bytes(3)) == payload.tobytes()
+    # storage order is [layer, slot, token, head, dim]: check one element through page_rows
+    elems = torch.from_numpy(payload.copy())  # raw bytes: random payloads hold NaNs
+    shape = (kv.num_layers, kv.kv_slots, kv.page_size * kv.local_heads * kv.slot_dim)
+    by_layer = elems.view(kv.dtype).view(shape)
+    for layer in range(kv.num_layers):
+        for slot in range(kv.kv_slots):
+            got = pool.page_rows(layer, slot)[3].view(torch.uint8)
+            assert torch.equal(got, by_layer[layer, slot].view(torch.uint8))
+    assert not pool.get_page_bytes(2).tobytes().strip(b"\0")  # other pages untouched
+
+
+def test_page_first_view_is_zero_copy() -> None:
+    kv = make_kv()
+    pool = HostPool(kv, 4, "page_first")
+    view = pool.get_page_bytes(1)
+    pool.page_rows(0, 0)[1].fill_(1.0)
+    assert bytes(view[:4]) == np.float32(1.0).tobytes()
+
+
+def test_set_page_bytes_rejects_wrong_size_and_accepts_read_only_buffers() -> None:
+    kv = make_kv()
+    pool = HostPool(kv, 2, "page_first")
+    with pytest.raises(ValueError, match="expected"):
+        pool.set_page_bytes(0, b"\0" * 7)
+    ro = np.ones(kv.page_bytes, dtype=np.uint8)
+    ro.flags.writeable = False
+    pool.set_page_bytes(0, ro)
+    assert bytes(pool.get_page_bytes(0)) == ro.tobytes()
+
+
+def test_device_pool_shapes_and_indices() -> None:
+    kv = make_kv(kv_lora_rank=6)
+    pool = DevicePool(kv, 3, CPU)
+    assert len(pool.buffers) == 1 and pool.layer(0)[0].shape == (12, 1, 6)
+    assert pool.token_indices([2, 0]).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert pool.available_size == 12 and pool.size_bytes == 3 * kv.page_bytes
+    assert pool.page_rows_bytes(0, 0).shape == (3, 4 * 6 * 4)

@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from hicache_ray.config import (
+    CacheConfig,
+    MemoryConfig,
+    PrefetchConfig,
+    StorageConfig,
+    WriteConfig,
+    compatible_io_backends,
+)
+from hicache_ray.errors import ConfigError
+from hicache_ray.layout import ModelKV, Shard, ShardKV, host_pool_pages
+from tests.conftest import make_config, make_kv
+
+BAD_MEMORY = [
+    ({"page_size": 0}, "page_size"),
+    ({"page_size": 48}, "power of two"),
+    ({"device_tokens": -5}, "device_tokens"),
+    ({"device_tokens": 32, "page_size": 64}, "smaller than one page"),
+    ({"hicache_ratio": 0}, "hicache_ratio"),
+    ({"hicache_size_bytes": -1}, "hicache_size_bytes"),
+    ({"mem_layout": "token_first"}, "mem_layout"),
+    ({"io_backend": "gds"}, "io_backend"),
+    ({"mem_layout": "page_first", "io_backend": "direct"}, "cannot move pages"),
+    ({"mem_layout": "page_first_direct", "io_backend": "kernel"}, "cannot move pages"),
+    ({"layer_granule": -1}, "layer_granule"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), BAD_MEMORY)
+def test_bad_memory_config_names_field_and_fix(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        MemoryConfig(**kwargs)  # type: ignore[arg-type]
+    assert needle in str(err.value)
+    assert ";" in str(err.value)  # problem; fix
+
+
+@pytest.mark.parametrize(
+    ("factory", "kwargs", "needle"),
+    [
+        (WriteConfig, {"policy": "write_around"}, "write_policy"),
+        (WriteConfig, {"hit_threshold": -1}, "hit_threshold"),
+        (PrefetchConfig, {"policy": "eager"}, "prefetch_policy"),
+        (PrefetchConfig, {"threshold_tokens": -1}, "prefetch_threshold"),
+        (PrefetchConfig, {"timeout_base_s": -1.0}, "timeout_base_s"),
+        (PrefetchConfig, {"timeout_cap_s": 0.0}, "timeout_cap_s"),
+        (PrefetchConfig, {"max_host_fraction": 1.5}, "max_host_fraction"),
+        (StorageConfig, {"batch_size_pages": 0}, "storage_batch_size"),
+        (StorageConfig, {"key_scheme": "flat"}, "key_scheme"),
+    ],
+)
+def test_bad_other_configs(factory: type, kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        factory(**kwargs)
+
+
+def test_write_through_refuses_host_not_larger_than_device() -> None:
+    with pytest.raises(ConfigError, match="no room for L3 hits"):
+        CacheConfig(memory=MemoryConfig(hicache_ratio=1.0))
+    # write_back may run with a small host pool
+    CacheConfig(memory=MemoryConfig(hicache_ratio=0.5), write=WriteConfig(policy="write_back"))
+
+
+def test_host_pool_pages_checks_bytes_and_budget() -> None:
+    kv = make_kv()
+    config = make_config(device_tokens=64)
+    assert host_pool_pages(config, kv) == 32
+    sized = msgspec.structs.replace(
+        config, memory=msgspec.structs.replace(config.memory, hicache_size_bytes=kv.page_bytes * 8)
+    )
+    with pytest.raises(ConfigError, match="no room for L3 hits"):
+        host_pool_pages(sized, kv)
+    with pytest.raises(ConfigError, match="budget"):
+        host_pool_pages(config, kv, budget_bytes=kv.page_bytes * 10)
+    with pytest.raises(ConfigError, match="no room for one page"):
+        host_pool_pages(config, kv, budget_bytes=1)
+
+
+def test_defaults_match_design() -> None:
+    c = CacheConfig()
+    assert c.memory.page_size == 64 and c.memory.hicache_ratio == 2.0
+    assert c.write.policy == "write_through" and c.write.effective_threshold == 1
+    assert WriteConfig(policy="write_through_selective").effective_threshold == 2
+    assert c.prefetch.policy == "timeout" and c.prefetch.threshold_tokens == 256
+    assert c.prefetch.timeout_s(1024) == pytest.approx(2.1)
+    assert c.prefetch.timeout_s(10**9) == 30.0
+    assert c.storage.batch_size_pages == 128 and c.storage.key_scheme == "unified"
+    assert compatible_io_backends("layer_first") == ("kernel", "direct")
+
+
+def test_config_round_trips_through_msgpack() -> None:
+    c = make_config(write_policy="write_back", hicache_ratio=0.5)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=CacheConfig) == c
+
+
+def test_shard_facts() -> None:
+    kv = make_kv(num_layers=7, num_kv_heads=8, tp_rank=1, tp_size=4, pp_rank=1, pp_size=3)
+    assert kv.local_heads == 2 and kv.first_head == 2
+    assert kv.layer_range == (3, 5)  # 7 layers over 3 stages: 3, 2, 2
+    assert kv.shard.rank == 5 and kv.shard.world_size == 12
+    mla = make_kv(kv_lora_rank=16, tp_size=2, tp_rank=1)
+    assert mla.kv_slots == 1 and mla.local_heads == 1 and mla.slot_dim == 16
+    assert kv.page_bytes == kv.num_layers * 2 * 4 * 2 * 8 * 4
+
+
+@pytest.mark.parametrize(
+    ("model", "shard", "needle"),
+    [
+        ({"num_kv_heads": 6}, {"tp_size": 4}, "does not divide num_kv_heads"),
+        ({"num_layers": 2}, {"pp_size": 3, "pp_rank": 0}, "more stages"),
+    ],
+)
+def test_bad_shards(model: dict[str, int], shard: dict[str, int], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        ShardKV(
+            model=ModelKV(**{"num_layers": 4, "num_kv_heads": 4, "head_dim": 8, **model}),
+            shard=Shard(**shard),
+            page_size=4,
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": 2, "tp_rank": 2}, "tp_rank"),
+        ({"pp_rank": -1}, "pp_rank"),
+    ],
+)
+def test_bad_shard_coordinates(kwargs: dict[str, int], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        Shard(**kwargs)
+
+
+def test_bad_model() -> None:
+    with pytest.raises(ConfigError, match="num_layers"):
+        ModelKV(num_layers=0, num_kv_heads=1, head_dim=1)
+    with pytest.raises(ConfigError, match="dtype"):
+        ModelKV(num_layers=1, num_kv_heads=1, head_dim=1, dtype="int4")  # type: ignore[arg-type]
