@@ -245,11 +245,8 @@ class HiCache:
 
     def _load(self, handle: CacheHandle, nodes: list[TreeNode]) -> None:
         """Start copying host-only ``nodes`` (a path, parents first) to the device."""
-        fits: list[TreeNode] = []
-        total = 0
-        for node in nodes:  # whole nodes only, a prefix of the path
-            total += len(node.host_pages or ())
-            fits.append(node)
+        fits = list(nodes)  # whole nodes only; shortened from the end when L1 is short
+        total = sum(len(n.host_pages or ()) for n in fits)
         device_pages = self._alloc_device(total)
         while device_pages is None and fits:
             total -= len(fits.pop().host_pages or ())

@@ -122,10 +122,6 @@ class HiRadixTree:
             yield node
             stack.extend(node.children.values())
 
-    @property
-    def evictable_device_pages(self) -> int:
-        return sum(len(n.device_pages or ()) for n in self.nodes() if not n.lock_ref)
-
     # ---------------------------------------------------------------- mutations
 
     def insert(self, tokens: TokenIds, device_pages: Sequence[int]) -> InsertResult:
