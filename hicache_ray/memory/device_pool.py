@@ -37,6 +37,14 @@ class DevicePool:
             for _ in range(kv.kv_slots)
         ]
         self.allocator = PageAllocator(num_pages, name="device pool")
+        self._rows_np: list[list[np.ndarray]] | None = (
+            [
+                [self._numpy_rows(layer, slot) for slot in range(kv.kv_slots)]
+                for layer in range(kv.num_layers)
+            ]
+            if self.device.type == "cpu"
+            else None
+        )
 
     @property
     def available_size(self) -> int:
@@ -57,6 +65,11 @@ class DevicePool:
 
     def page_rows_bytes(self, layer: int, slot: int) -> np.ndarray:
         """Like :meth:`page_rows`, as a writable uint8 numpy view (CPU pools only)."""
+        if self._rows_np is None:
+            raise TypeError(f"device pool on {self.device} has no numpy view")
+        return self._rows_np[layer][slot]
+
+    def _numpy_rows(self, layer: int, slot: int) -> np.ndarray:
         return self.page_rows(layer, slot).view(torch.uint8).numpy()
 
     def token_indices(self, pages: list[int]) -> torch.Tensor:

@@ -68,6 +68,7 @@ class HostPool:
             raise ValueError(f"unknown host layout {layout!r}")
         self.allocator = PageAllocator(num_pages, name="host pool")
         self._rows = [[self._make_rows(layer, slot) for slot in range(s)] for layer in range(n)]
+        self._rows_np = [[rows.view(torch.uint8).numpy() for rows in layer] for layer in self._rows]
 
     def _make_rows(self, layer: int, slot: int) -> torch.Tensor:
         if self.layout == "layer_first":
@@ -92,7 +93,7 @@ class HostPool:
 
     def page_rows_bytes(self, layer: int, slot: int) -> np.ndarray:
         """Like :meth:`page_rows`, as a writable uint8 numpy view."""
-        return self._rows[layer][slot].view(torch.uint8).numpy()
+        return self._rows_np[layer][slot]
 
     def get_page_bytes(self, page: int) -> memoryview:
         """The bytes of ``page`` in storage order ``[L, S, P, H, D]``.

@@ -176,11 +176,13 @@ class _CopyWorker(threading.Thread):
             if self._stream is None:
                 dev = engine.device_pool.page_rows_bytes(layer, part.slot)
                 host = engine.host_pool.page_rows_bytes(layer, part.slot)
+                src, dst = (host, dev) if load else (dev, host)
                 for h, d, n in part.runs:
-                    if load:
-                        dev[d : d + n] = host[h : h + n]
+                    i, o = (h, d) if load else (d, h)
+                    if n == 1:
+                        dst[o] = src[i]
                     else:
-                        host[h : h + n] = dev[d : d + n]
+                        dst[o : o + n] = src[i : i + n]
             else:
                 with torch.cuda.stream(self._stream):
                     dev_t = engine.device_pool.page_rows(layer, part.slot)
