@@ -41,6 +41,18 @@ def _bench_micro(args: argparse.Namespace) -> int:
     return _finish(args, "bench micro", config, figures)
 
 
+def _bench_storage(args: argparse.Namespace) -> int:
+    from hicache_ray.bench.storage import StorageBenchOptions, run_storage_bench
+
+    base = StorageBenchOptions.quick() if args.quick else StorageBenchOptions()
+    opts = dataclasses.replace(
+        base, backends=tuple(args.backend or base.backends), root=args.root or ""
+    )
+    torch.set_num_threads(args.threads)
+    figures = run_storage_bench(opts, _log)
+    return _finish(args, "bench storage", dataclasses.asdict(opts), figures)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from hicache_ray.demo_local import LocalDemoOptions, run_local_demo
 
@@ -85,6 +97,14 @@ def _parser() -> argparse.ArgumentParser:
     common(micro)
     micro.add_argument("--quick", action="store_true", help="small shapes, for smoke tests")
     micro.set_defaults(func=_bench_micro)
+    storage = bench_sub.add_parser("storage", help="page hashing; L3 put/get/exists throughput")
+    common(storage)
+    storage.add_argument(
+        "--backend", action="append", choices=["memory", "file"], help="repeatable; default both"
+    )
+    storage.add_argument("--root", help="file backend root (directory or URI); default a temp dir")
+    storage.add_argument("--quick", action="store_true", help="small pages, for smoke tests")
+    storage.set_defaults(func=_bench_storage)
     return parser
 
 

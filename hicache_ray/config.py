@@ -17,9 +17,13 @@ from hicache_ray.errors import ConfigError
 __all__ = [
     "DEFAULT_HIT_THRESHOLDS",
     "CacheConfig",
+    "Fault",
+    "FileStorageOptions",
     "IoBackend",
+    "KeyScheme",
     "MemLayout",
     "MemoryConfig",
+    "MemoryStorageOptions",
     "PrefetchConfig",
     "PrefetchPolicy",
     "StorageConfig",
@@ -59,6 +63,11 @@ def _check_choice(field: str, value: str, literal: object) -> None:
     choices = get_args(literal)
     if value not in choices:
         raise ConfigError(field, value, "unknown name", f"use one of {', '.join(choices)}")
+
+
+def _check_not_negative(field: str, value: float) -> None:
+    if value < 0:
+        raise ConfigError(field, value, "negative", "use 0 or more")
 
 
 def _check_positive(field: str, value: float) -> None:
@@ -192,22 +201,135 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True):
         return min(raw, self.timeout_cap_s)
 
 
-class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """L3 settings.
+FaultOp = Literal["write", "read", "size", "remove"]
+FaultKind = Literal["fail", "delay", "corrupt", "truncate"]
+_FAULT_OPS: dict[str, tuple[str, ...]] = {
+    "fail": ("write", "read", "size", "remove"),
+    "delay": ("write", "read", "size", "remove"),
+    "corrupt": ("write", "read"),
+    "truncate": ("write",),
+}
+
+
+class Fault(msgspec.Struct, frozen=True, kw_only=True):
+    """One fault-injection rule for L3 storage: which operation, what happens, how often.
+
+    Applied by :class:`hicache_ray.storage.faults.FaultyObjects` under the verification
+    layer, so it acts on real stored bytes.
 
     Attributes:
-        backend: registered backend name, or ``none`` for no L3.
+        op: ``write``, ``read``, ``size`` (the lookup behind ``exists``) or ``remove``.
+        kind: ``fail`` raises :class:`InjectedFault`; ``delay`` waits ``delay_s`` first;
+            ``corrupt`` flips a payload byte (of the stored object on write, of the bytes
+            delivered on read); ``truncate`` stores the object without its last half.
+        probability: chance that a matching call is hit.
+        skip: matching calls let through before the rule can fire.
+        limit: most calls hit; 0 for no limit.
+        delay_s: the wait of ``delay``.
+    """
+
+    op: FaultOp
+    kind: FaultKind
+    probability: float = 1.0
+    skip: int = 0
+    limit: int = 0
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.op not in _FAULT_OPS.get(self.kind, ()):
+            raise ConfigError(
+                "fault", f"{self.kind} on {self.op}", "not supported", f"use {_FAULT_OPS}"
+            )
+        if not 0 <= self.probability <= 1:
+            raise ConfigError("fault.probability", self.probability, "outside [0, 1]", "fix it")
+
+
+class MemoryStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Options of the ``memory`` backend (one process; for tests and single-process runs).
+
+    Attributes:
+        capacity_bytes: most bytes held before least recently used pages are evicted;
+            0 means no limit.
+    """
+
+    capacity_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_not_negative("memory.capacity_bytes", self.capacity_bytes)
+
+
+class FileStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Options of the ``file`` backend (any ``pyarrow.fs`` filesystem).
+
+    Attributes:
+        root: a local directory or a URI pyarrow resolves (``s3://bucket/prefix?...``,
+            ``gs://...``, ``hdfs://...``); required.
+        capacity_bytes: most bytes this process keeps under ``root`` before evicting least
+            recently used pages; 0 means no limit.
+        metadata_ttl_s: how long a cached "this page exists" answer is trusted before the
+            filesystem is asked again (pages other processes delete show up after this).
+        scan_on_start: list ``root`` at start-up to learn this namespace's existing pages.
+    """
+
+    root: str = ""
+    capacity_bytes: int = 0
+    metadata_ttl_s: float = 5.0
+    scan_on_start: bool = True
+
+    def __post_init__(self) -> None:
+        _check_not_negative("file.capacity_bytes", self.capacity_bytes)
+        _check_not_negative("file.metadata_ttl_s", self.metadata_ttl_s)
+
+
+class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """L3 settings: backend, key namespace and batching.
+
+    Attributes:
+        backend: registered backend name (``memory``, ``file``, ``ray``), or ``none``.
         batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch.
-        key_scheme: ``unified`` (shared across TP sizes) or ``rank-suffix``.
+        key_scheme: ``unified`` (shared across TP and PP sizes) or ``rank-suffix``.
+        model_id: model name in the namespace; required with a backend.
+        model_revision: model revision (weights change -> different pages).
+        tenant_salt: seeds the page hash so tenants never share pages; empty for none.
+        head_group: KV heads per storage object; 0 derives it from ``tp_lcm_size``.
+        tp_lcm_size: least common multiple of the TP sizes that will share the store;
+            0 means "only this TP size" (logged at start-up).
+        memory: options of the ``memory`` backend.
+        file: options of the ``file`` backend.
+        faults: fault-injection rules applied to the backend's stored objects (tests,
+            ``bench faults``, soak runs); empty in production.
+        fault_seed: seed of the generator that decides which calls are hit.
     """
 
     backend: str = "none"
     batch_size_pages: int = 128
     key_scheme: KeyScheme = "unified"
+    model_id: str = ""
+    model_revision: str = ""
+    tenant_salt: str = ""
+    head_group: int = 0
+    tp_lcm_size: int = 0
+    memory: MemoryStorageOptions = msgspec.field(default_factory=MemoryStorageOptions)
+    file: FileStorageOptions = msgspec.field(default_factory=FileStorageOptions)
+    faults: tuple[Fault, ...] = ()
+    fault_seed: int = 0
 
     def __post_init__(self) -> None:
         _check_positive("storage_batch_size", self.batch_size_pages)
         _check_choice("key_scheme", self.key_scheme, KeyScheme)
+        _check_not_negative("head_group", self.head_group)
+        _check_not_negative("tp_lcm_size", self.tp_lcm_size)
+        if self.backend != "none" and not self.model_id:
+            raise ConfigError(
+                "model_id",
+                self.model_id,
+                f"empty while storage backend {self.backend!r} is on",
+                "name the model (e.g. its hub id) so pages of different models never mix",
+            )
+        if self.backend == "file" and not self.file.root:
+            raise ConfigError(
+                "file.root", self.file.root, "empty", "give a directory or a URI such as s3://b/p"
+            )
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

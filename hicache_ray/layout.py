@@ -72,15 +72,26 @@ class ModelKV(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Shard(msgspec.Struct, frozen=True, kw_only=True):
-    """Coordinates of one rank; rank = pp_rank * tp_size + tp_rank."""
+    """Coordinates of one rank; rank = pp_rank * tp_size + tp_rank.
+
+    ``attn_cp_rank`` / ``attn_cp_size`` describe attention context parallelism (each rank
+    holds the KV of a slice of the tokens) for engines that run it; only the
+    ``rank-suffix`` key scheme can name such pages.
+    """
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for size, rank in (("tp_size", "tp_rank"), ("pp_size", "pp_rank")):
+        for size, rank in (
+            ("tp_size", "tp_rank"),
+            ("pp_size", "pp_rank"),
+            ("attn_cp_size", "attn_cp_rank"),
+        ):
             if getattr(self, size) <= 0:
                 raise ConfigError(size, getattr(self, size), "must be positive", "use 1 or more")
             if not 0 <= getattr(self, rank) < getattr(self, size):

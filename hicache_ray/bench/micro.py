@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from hicache_ray.bench.report import Figure, figure
+from hicache_ray.bench.report import Figure, figure, time_into
 from hicache_ray.layout import ModelKV, Shard, ShardKV
 from hicache_ray.memory import DevicePool, HostPool, PageAllocator, Transfer, TransferEngine
 from hicache_ray.tree import HiRadixTree
@@ -66,12 +66,6 @@ def _round_trip(
     submit(a, b).wait()
 
 
-def _median_time(fn: Callable[[], object], samples: list[float]) -> None:
-    start = time.perf_counter()
-    fn()
-    samples.append(time.perf_counter() - start)
-
-
 def transfer_figures(
     opts: MicroOptions, device: torch.device, log: Callable[[str], None]
 ) -> list[Figure]:
@@ -112,9 +106,9 @@ def transfer_figures(
                     if device.type == "cuda":
                         torch.cuda.synchronize()
 
-                _median_time(copy, samples[0])
-                _median_time(partial(_round_trip, engine.load, host_pages, dev_pages), samples[1])
-                _median_time(partial(_round_trip, engine.write, dev_pages, host_pages), samples[2])
+                time_into(copy, samples[0])
+                time_into(partial(_round_trip, engine.load, host_pages, dev_pages), samples[1])
+                time_into(partial(_round_trip, engine.write, dev_pages, host_pages), samples[2])
         ceil_gbps = nbytes / statistics.median(ceiling) / 1e9
         for name, times in (("load", load), ("write", write)):
             gbps = nbytes / statistics.median(times) / 1e9

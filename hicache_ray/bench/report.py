@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +22,7 @@ import msgspec
 import psutil
 import torch
 
-__all__ = ["Figure", "Machine", "Report", "figure", "machine_info"]
+__all__ = ["Figure", "Machine", "Report", "figure", "machine_info", "time_into"]
 
 
 class Machine(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,3 +122,10 @@ def machine_info() -> Machine:
         ray=ray_version,
         accelerator=accel,
     )
+
+
+def time_into(fn: Callable[[], object], samples: list[float]) -> None:
+    """Run ``fn`` once and append its wall time in seconds to ``samples``."""
+    start = time.perf_counter()
+    fn()
+    samples.append(time.perf_counter() - start)

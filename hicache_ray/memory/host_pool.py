@@ -23,13 +23,15 @@ from hicache_ray.config import MemLayout
 from hicache_ray.layout import ShardKV
 from hicache_ray.memory.allocator import PageAllocator
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "byte_view"]
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor."""
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (writable when the tensor is)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("a byte view needs a contiguous CPU tensor")
     array: np.ndarray = t.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array.data)
+    return array.data
 
 
 class HostPool:
@@ -95,30 +97,81 @@ class HostPool:
         """Like :meth:`page_rows`, as a writable uint8 numpy view."""
         return self._rows_np[layer][slot]
 
-    def get_page_bytes(self, page: int) -> memoryview:
-        """The bytes of ``page`` in storage order ``[L, S, P, H, D]``.
+    def read_object(
+        self, page: int, layers: tuple[int, int] | None = None, heads: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """The KV of ``page`` for local ``layers`` and ``heads`` ([lo, hi), default all).
 
-        Zero-copy for ``page_first`` and single-group ``page_first_direct`` (the view is
-        only valid while the page stays allocated); a gathered copy otherwise.
+        Shape ``[L, S, P, H, D]`` (storage order). A zero-copy view when those bytes are
+        contiguous in this layout (a whole page of ``page_first``, a whole layer group of
+        ``page_first_direct``), valid only while the page stays allocated; else a copy.
         """
-        if len(self.buffers) == 1 and self.layout != "layer_first":
-            return _bytes_view(self.buffers[0][page])
-        out = torch.empty(self._page_shape(), dtype=self.kv.dtype)
-        for layer in range(self.kv.num_layers):
-            for slot in range(self.kv.kv_slots):
-                out[layer, slot].view(-1).copy_(self._rows[layer][slot][page])
-        return _bytes_view(out)
+        parts = self._object_parts(page, layers, heads)
+        if len(parts) == 1 and parts[0][1].is_contiguous():
+            return parts[0][1]
+        lo, hi = layers or (0, self.kv.num_layers)
+        h_lo, h_hi = heads or (0, self.kv.local_heads)
+        kv = self.kv
+        out = torch.empty(
+            (hi - lo, kv.kv_slots, kv.page_size, h_hi - h_lo, kv.slot_dim), dtype=kv.dtype
+        )
+        for offset, view in parts:
+            out[offset : offset + view.shape[0]].copy_(view)
+        return out
+
+    def write_object(
+        self,
+        page: int,
+        data: torch.Tensor,
+        layers: tuple[int, int] | None = None,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        """Copy ``data`` (shaped as :meth:`read_object` returns) into ``page``."""
+        parts = self._object_parts(page, layers, heads)
+        rows = sum(view.shape[0] for _, view in parts)
+        expected = (rows, *parts[0][1].shape[1:])
+        if tuple(data.shape) != expected or data.dtype != self.kv.dtype:
+            raise ValueError(
+                f"object of shape {tuple(data.shape)} {data.dtype}, expected {expected} "
+                f"{self.kv.dtype}"
+            )
+        for offset, view in parts:
+            view.copy_(data[offset : offset + view.shape[0]])
+
+    def get_page_bytes(self, page: int) -> memoryview:
+        """The bytes of ``page`` in storage order ``[L, S, P, H, D]`` (see :meth:`read_object`)."""
+        return byte_view(self.read_object(page))
 
     def set_page_bytes(self, page: int, data: bytes | memoryview | np.ndarray) -> None:
         """Copy one page's storage-order bytes into ``page``."""
         raw = np.frombuffer(data, dtype=np.uint8)
+        if raw.size != self.kv.page_bytes:
+            raise ValueError(f"page payload has {raw.size} bytes, expected {self.kv.page_bytes}")
         src = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
-        if src.numel() != self.kv.page_bytes:
-            raise ValueError(f"page payload has {src.numel()} bytes, expected {self.kv.page_bytes}")
-        src = src.view(self.kv.dtype).view(self._page_shape())
-        for layer in range(self.kv.num_layers):
-            for slot in range(self.kv.kv_slots):
-                self._rows[layer][slot][page].copy_(src[layer, slot].reshape(-1))
+        self.write_object(page, src.view(self.kv.dtype).view(self._page_shape()))
+
+    def _object_parts(
+        self, page: int, layers: tuple[int, int] | None, heads: tuple[int, int] | None
+    ) -> list[tuple[int, torch.Tensor]]:
+        """``(offset, view [L', S, P, H', D])`` pieces of one object, one per layer group."""
+        kv = self.kv
+        lo, hi = layers or (0, kv.num_layers)
+        h_lo, h_hi = heads or (0, kv.local_heads)
+        if not (0 <= lo < hi <= kv.num_layers and 0 <= h_lo < h_hi <= kv.local_heads):
+            raise ValueError(f"layers {lo}:{hi} / heads {h_lo}:{h_hi} outside this pool's shard")
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} outside [0, {self.num_pages})")
+        p = kv.page_size
+        if self.layout == "layer_first":
+            view = self.buffers[0][:, lo:hi, page * p : (page + 1) * p].transpose(0, 1)
+            return [(0, view[:, :, :, h_lo:h_hi])]
+        parts = []
+        ends = [*self.group_starts[1:], kv.num_layers]
+        for buf, start, end in zip(self.buffers, self.group_starts, ends, strict=True):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                parts.append((a - lo, buf[page, a - start : b - start, :, :, h_lo:h_hi]))
+        return parts
 
     def _page_shape(self) -> tuple[int, ...]:
         kv = self.kv

@@ -38,3 +38,20 @@ def test_demo_small_passes_read_back(tmp_path: Path) -> None:
     by_name = {f.name: f for f in report.figures}
     assert by_name["demo.local.readback_failures"].value == 0
     assert by_name["demo.local.hit_tokens.l1"].value > 0
+
+
+def test_bench_storage_quick_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "storage.json"
+    assert (
+        main(["bench", "storage", "--quick", "--root", str(tmp_path / "l3"), "--json", str(out)])
+        == 0
+    )
+    report = msgspec.json.decode(out.read_bytes(), type=Report)
+    by_name = {f.name: f for f in report.figures}
+    assert by_name["hash.100k_tokens_ms"].value > 0
+    for backend in ("memory", "file"):
+        for op in ("put", "get"):
+            f = by_name[f"storage.{backend}.{op}.gbps"]
+            assert f.value > 0 and f.ceiling and f.ratio is not None
+        assert by_name[f"storage.{backend}.exists128_us"].value > 0
+    assert not list((tmp_path / "l3").rglob("*-*_*"))  # the bench removed its pages

@@ -55,3 +55,29 @@ def test_device_pool_shapes_and_indices() -> None:
     assert pool.token_indices([2, 0]).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
     assert pool.available_size == 12 and pool.size_bytes == 3 * kv.page_bytes
     assert pool.page_rows_bytes(0, 0).shape == (3, 4 * 6 * 4)
+
+
+def test_object_reads_are_zero_copy_only_when_contiguous() -> None:
+    kv = make_kv(num_layers=4, num_kv_heads=4)
+    page_first = HostPool(kv, 4, "page_first")
+    whole = page_first.read_object(1)
+    assert whole.data_ptr() == page_first.buffers[0][1].data_ptr()
+    part = page_first.read_object(1, (0, 2), (2, 4))  # a head slice is strided: copied
+    assert part.is_contiguous() and part.shape == (2, 2, 4, 2, 8)
+    direct = HostPool(kv, 4, "page_first_direct", layer_granule=2)
+    assert direct.read_object(2, (2, 4)).data_ptr() == direct.buffers[1][2].data_ptr()
+
+
+def test_object_writes_check_shape_and_bounds() -> None:
+    kv = make_kv(num_layers=4, num_kv_heads=4)
+    pool = HostPool(kv, 4, "layer_first")
+    data = torch.arange(2 * 2 * 4 * 1 * 8, dtype=torch.float32).view(2, 2, 4, 1, 8)
+    pool.write_object(3, data, (1, 3), (3, 4))
+    assert torch.equal(pool.read_object(3, (1, 3), (3, 4)), data)
+    assert not pool.read_object(3, (0, 1)).any()  # other layers untouched
+    with pytest.raises(ValueError, match="expected"):
+        pool.write_object(3, data, (0, 1), (3, 4))
+    with pytest.raises(ValueError, match="outside"):
+        pool.read_object(3, (0, 5))
+    with pytest.raises(ValueError, match="page 4"):
+        pool.read_object(4)

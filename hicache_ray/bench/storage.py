@@ -1,0 +1,215 @@
+"""``hicache-ray bench storage``: page hashing and L3 put / get / exists throughput.
+
+Each backend stores batches of page objects (the plan of one TP=1 rank) and is timed
+beside a ceiling measured in the same run on the same bytes: for ``file``, raw pyarrow
+writes and reads of files of the same payloads on the same filesystem (no header, checksum,
+temporary name or verification); for ``memory``, a plain copy of the same bytes. Ceilings
+and backend runs are interleaved so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache_ray.bench.report import Figure, figure, time_into
+from hicache_ray.config import (
+    CacheConfig,
+    FileStorageOptions,
+    MemoryConfig,
+    StorageConfig,
+)
+from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
+from hicache_ray.layout import ModelKV, Shard, ShardKV
+from hicache_ray.memory.host_pool import byte_view
+from hicache_ray.storage import StorageBackend, create_backend
+from hicache_ray.storage.file_objects import open_filesystem
+
+__all__ = ["StorageBenchOptions", "run_storage_bench"]
+
+
+@dataclass(frozen=True)
+class StorageBenchOptions:
+    backends: tuple[str, ...] = ("memory", "file")
+    root: str = ""  # file backend root; empty: a fresh directory on /dev/shm (else tmp)
+    num_layers: int = 8
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 64
+    batch_pages: int = 128
+    repeats: int = 3
+    exists_repeats: int = 200
+    hash_tokens: int = 100_000
+
+    @classmethod
+    def quick(cls) -> StorageBenchOptions:
+        return cls(
+            num_layers=2, num_kv_heads=2, head_dim=16, batch_pages=16, repeats=2, exists_repeats=20
+        )
+
+
+def hash_figure(opts: StorageBenchOptions) -> Figure:
+    rnd = random.Random(0)
+    tokens = np.array([rnd.randrange(150_000) for _ in range(opts.hash_tokens)], dtype=np.int64)
+    times: list[float] = []
+    for _ in range(5):
+        time_into(lambda: page_hashes(tokens, opts.page_size), times)
+    return figure(
+        "hash.100k_tokens_ms",
+        statistics.median(times) * 1e3 * 100_000 / opts.hash_tokens,
+        "ms",
+        target=50,
+        better="lower",
+    )
+
+
+def _plan(opts: StorageBenchOptions, config: StorageConfig) -> ShardPlan:
+    model = ModelKV(
+        num_layers=opts.num_layers,
+        num_kv_heads=opts.num_kv_heads,
+        head_dim=opts.head_dim,
+        dtype="float16",
+    )
+    kv = ShardKV(model=model, shard=Shard(), page_size=opts.page_size)
+    memory = MemoryConfig(page_size=opts.page_size, device_tokens=opts.page_size)
+    return plan_shard(kv, CacheConfig(memory=memory, storage=config))
+
+
+class _RawFiles:
+    """The ceiling: plain pyarrow files of the same payloads."""
+
+    def __init__(self, root: str) -> None:
+        self.fs, base = open_filesystem(root)
+        self.base = f"{base}/raw-ceiling"
+        self.fs.create_dir(self.base, recursive=True)
+
+    def write(self, names: list[str], payloads: list[memoryview]) -> None:
+        for name, payload in zip(names, payloads, strict=True):
+            with self.fs.open_output_stream(f"{self.base}/{name}") as out:
+                out.write(payload)
+
+    def read(self, names: list[str], outs: list[memoryview]) -> None:
+        for name, out in zip(names, outs, strict=True):
+            with self.fs.open_input_file(f"{self.base}/{name}") as f:
+                f.readinto(out)
+
+    def clear(self) -> None:
+        self.fs.delete_dir_contents(self.base, missing_dir_ok=True)
+
+
+class _RawMemory:
+    """The ceiling of the memory backend: one copy of the same bytes in, one out."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, np.ndarray] = {}
+
+    def write(self, names: list[str], payloads: list[memoryview]) -> None:
+        for name, payload in zip(names, payloads, strict=True):
+            self.stored[name] = np.frombuffer(payload, dtype=np.uint8).copy()
+
+    def read(self, names: list[str], outs: list[memoryview]) -> None:
+        for name, out in zip(names, outs, strict=True):
+            np.copyto(np.frombuffer(out, dtype=np.uint8), self.stored[name])
+
+    def clear(self) -> None:
+        self.stored.clear()
+
+
+def _backend_figures(
+    name: str, opts: StorageBenchOptions, root: str, log: Callable[[str], None]
+) -> list[Figure]:
+    config = StorageConfig(
+        backend=name,
+        model_id="bench/storage",
+        file=FileStorageOptions(root=root or "unused", scan_on_start=False),
+    )
+    plan = _plan(opts, config)
+    n, shape = opts.batch_pages, plan.objects[0].shape
+    gen = torch.Generator().manual_seed(0)
+    pages = [torch.randn(shape, generator=gen).to(torch.float16) for _ in range(n)]
+    outs = [torch.empty_like(p).fill_(0) for p in pages]
+    payloads = [byte_view(p) for p in pages]
+    out_views = [byte_view(o) for o in outs]
+    nbytes = sum(p.nbytes for p in payloads)
+    raw = _RawFiles(root) if name == "file" else _RawMemory()
+    backend: StorageBackend = create_backend(config, plan)
+    log(f"storage {name}: {opts.repeats} x {n} pages of {nbytes / n / 2**20:.2f} MiB")
+    samples: dict[str, list[float]] = {k: [] for k in ("raw_put", "put", "raw_get", "get")}
+    exists_us: list[float] = []
+    try:
+        for rep in range(opts.repeats + 1):  # repeat 0 warms up
+            rec = samples if rep else {k: [] for k in samples}
+            tokens = [rep * 10_000_000 + i for i in range(n * opts.page_size)]
+            keys = [plan.keys(h)[0] for h in page_hashes(tokens, opts.page_size)]
+            names = [f"{rep}-{i}" for i in range(n)]
+            time_into(partial(raw.write, names, payloads), rec["raw_put"])
+            time_into(partial(_check, backend.put, keys, pages), rec["put"])
+            time_into(partial(raw.read, names, out_views), rec["raw_get"])
+            time_into(partial(_check, backend.get, keys, outs), rec["get"])
+            if rep:
+                for _ in range(opts.exists_repeats):
+                    start = time.perf_counter()
+                    _check(lambda k, _: backend.exists(k), keys[:128], [None] * min(n, 128))
+                    exists_us.append((time.perf_counter() - start) * 1e6)
+            assert all(torch.equal(a, b) for a, b in zip(pages, outs, strict=True))
+            backend.delete(keys)
+            raw.clear()
+    finally:
+        backend.close()
+        raw.clear()
+
+    def gbps(key: str) -> float:
+        return nbytes / statistics.median(samples[key]) / 1e9
+
+    target = 0.8 if name == "file" else None
+    return [
+        figure(
+            f"storage.{name}.put.gbps", gbps("put"), "GB/s", ceiling=gbps("raw_put"), target=target
+        ),
+        figure(
+            f"storage.{name}.get.gbps", gbps("get"), "GB/s", ceiling=gbps("raw_get"), target=target
+        ),
+        figure(
+            f"storage.{name}.exists128_us",
+            statistics.median(exists_us),
+            "us",
+            target=100 if name == "file" else None,
+            better="lower",
+        ),
+    ]
+
+
+def _check(op: Callable[[list[str], list[Any]], int], keys: list[str], data: list[Any]) -> None:
+    got = op(keys, data)
+    if got != len(keys):
+        raise RuntimeError(f"storage stored or found {got} of {len(keys)} pages; see the log")
+
+
+def run_storage_bench(
+    opts: StorageBenchOptions, log: Callable[[str], None] = print
+) -> list[Figure]:
+    figures = [hash_figure(opts)]
+    for name in opts.backends:
+        if name == "file" and not opts.root:
+            # NOTE: memory-backed when possible, so disk write-back (which comes and goes
+            # with the page cache's dirty limits) does not swamp the comparison.
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            tmp = tempfile.mkdtemp(prefix="hicache-bench-", dir=shm)
+            try:
+                figures += _backend_figures(name, opts, tmp, log)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            figures += _backend_figures(name, opts, opts.root, log)
+    return figures

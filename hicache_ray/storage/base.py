@@ -1,0 +1,99 @@
+"""The L3 storage interface every backend implements.
+
+Narrow, batched and synchronous: asynchrony belongs to the pipelines that call it. Pages
+are contiguous CPU tensors (``[L, S, P, H, D]`` objects of a :class:`~hicache_ray.keys.ShardPlan`);
+keys come from the plan. Counts are of *leading* keys: a batch stops at the first key that
+is missing, unreadable or fails, so a caller never gets a prefix with holes.
+
+Every method is thread-safe: pipelines on different threads may call one backend at once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+__all__ = ["StorageBackend", "StorageStats"]
+
+
+class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of one backend's counters.
+
+    Attributes:
+        backend: registered name.
+        num_objects, stored_bytes: what this instance knows to be stored (for shared
+            filesystems, what it wrote or found at start-up / on lookups).
+        capacity_bytes: byte budget; 0 means none.
+        put_pages, put_bytes, get_pages, get_bytes: pages and bytes moved.
+        put_skipped: puts of keys already present (touched, not rewritten).
+        put_failures, get_failures: operations that raised in the filesystem / store.
+        corrupt_pages: objects that failed verification (each was deleted, read as a miss).
+        evicted_pages: objects removed by the byte budget.
+    """
+
+    backend: str
+    num_objects: int = 0
+    stored_bytes: int = 0
+    capacity_bytes: int = 0
+    put_pages: int = 0
+    put_bytes: int = 0
+    put_skipped: int = 0
+    get_pages: int = 0
+    get_bytes: int = 0
+    put_failures: int = 0
+    get_failures: int = 0
+    corrupt_pages: int = 0
+    evicted_pages: int = 0
+
+
+class StorageBackend(ABC):
+    """Shared page storage (L3). Implementations register by name in the registry."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` present (stops at the first absent key).
+
+        May answer from a metadata cache; a page reported present can still turn out
+        missing or corrupt on :meth:`get`, which then returns a shorter count.
+        """
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
+        """Read leading pages into ``buffers`` (contiguous CPU tensors of each page's
+        dtype and shape) and verify them; returns how many leading pages are valid.
+
+        Buffers past the returned count hold unspecified bytes. A page that fails
+        verification is deleted and counted in ``corrupt_pages``; it ends the batch.
+        Never raises for a missing, corrupt or unreadable page.
+        """
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+        """Store leading pages; returns how many leading pages are stored.
+
+        A key already present is not rewritten (its recency is refreshed). A write
+        failure (full disk, permissions, network) ends the batch and is counted; it does
+        not raise. Readers never see a partly written page.
+        """
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove ``keys``; absent keys are ignored."""
+
+    @abstractmethod
+    def stats(self) -> StorageStats:
+        """A snapshot of the counters."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release resources; safe to call twice."""
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

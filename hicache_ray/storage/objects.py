@@ -1,0 +1,105 @@
+"""Object stores: the dumb byte layer under a paged backend.
+
+An object store keeps framed page objects (see :mod:`page_format`) by key and knows
+nothing of namespaces, checksums or budgets; :class:`~hicache_ray.storage.paged.PagedBackend`
+adds those. Splitting the two lets one fault injector (:mod:`faults`) sit between them and
+corrupt, truncate, fail or delay real stored bytes for every backend alike.
+
+Methods are per key and thread-safe; a write is atomic (a reader sees the whole object or
+none of it).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+from hicache_ray.storage.page_format import (
+    PREFIX_BYTES,
+    CorruptPage,
+    copy_hashed,
+    header_length,
+)
+
+__all__ = ["MemoryObjects", "ObjectStore", "split_object"]
+
+
+class ObjectStore(ABC):
+    """A keyed store of framed page objects."""
+
+    @abstractmethod
+    def write(self, key: str, header: bytes, payload: memoryview) -> None:
+        """Store ``header + payload`` under ``key`` atomically; raises ``OSError`` on failure."""
+
+    @abstractmethod
+    def read(self, key: str, out: memoryview) -> tuple[bytes, str] | None:
+        """Read the object of ``key``: its payload into ``out``.
+
+        Returns the header bytes and the checksum of the payload as read (hashed on the
+        way in, see :mod:`page_format`), or None when the key is absent. Raises
+        :class:`CorruptPage` when the frame is malformed or the payload is not exactly
+        ``len(out)`` bytes; ``OSError`` on I/O errors.
+        """
+
+    @abstractmethod
+    def size(self, key: str) -> int | None:
+        """Stored bytes of ``key``, or None when absent."""
+
+    @abstractmethod
+    def remove(self, key: str) -> None:
+        """Delete ``key``; absent keys are ignored."""
+
+    @abstractmethod
+    def scan(self) -> Iterator[tuple[str, int, float]]:
+        """``(key, bytes, modification time)`` of every stored object."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; safe to call twice."""
+
+
+def split_object(data: bytes | memoryview, out: memoryview) -> tuple[bytes, str]:
+    """Header and payload checksum of a whole framed object in memory; payload into ``out``."""
+    view = memoryview(data)
+    start = PREFIX_BYTES + header_length(view[:PREFIX_BYTES])
+    payload = view[start:]
+    if payload.nbytes != out.nbytes:
+        raise CorruptPage(f"payload of {payload.nbytes} bytes, expected {out.nbytes}")
+    return bytes(view[PREFIX_BYTES:start]), copy_hashed(payload, out)
+
+
+class MemoryObjects(ObjectStore):
+    """Objects in a dict of this process (tests, single-process runs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._objects: dict[str, bytes] = {}  # guarded by _lock
+        self._clock = 0  # guarded by _lock: logical modification time
+        self._mtimes: dict[str, float] = {}  # guarded by _lock
+
+    def write(self, key: str, header: bytes, payload: memoryview) -> None:
+        data = header + payload  # one copy: the caller's buffer may be reused
+        with self._lock:
+            self._objects[key] = data
+            self._clock += 1
+            self._mtimes[key] = self._clock
+
+    def read(self, key: str, out: memoryview) -> tuple[bytes, str] | None:
+        with self._lock:
+            data = self._objects.get(key)
+        return None if data is None else split_object(data, out)
+
+    def size(self, key: str) -> int | None:
+        with self._lock:
+            data = self._objects.get(key)
+        return None if data is None else len(data)
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop(key, None)
+            self._mtimes.pop(key, None)
+
+    def scan(self) -> Iterator[tuple[str, int, float]]:
+        with self._lock:
+            items = [(k, len(v), self._mtimes[k]) for k, v in self._objects.items()]
+        yield from items

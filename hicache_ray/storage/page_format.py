@@ -1,0 +1,162 @@
+"""The page object: a framed header, then the payload bytes.
+
+::
+
+    offset  size  field
+    0       4     magic b"HCRP"
+    4       4     header length N (uint32 little-endian)
+    8       N     PageHeader, msgpack
+    8 + N   ...   payload (the object's KV bytes in namespace object layout)
+
+Readers verify everything before a byte reaches a pool: the frame, the format version, the
+namespace digest, the key, dtype and shape against the caller's buffer, the payload length
+and an XXH3-128 checksum of the payload (about 20 GB/s here, so it costs little next to
+storage I/O; SHA-256 would run at 1 GB/s). Any mismatch raises :class:`CorruptPage`.
+
+NOTE: readers hash the payload in 256 KiB chunks as they land in the caller's buffer, while
+each chunk is still in cache: hashing after the whole read costs a second pass over DRAM
+(reads ran at 0.7 of raw pyarrow here that way, 0.9 chunked).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import msgspec
+import torch
+import xxhash
+
+from hicache_ray.errors import HiCacheError
+from hicache_ray.layout import DTYPES
+from hicache_ray.memory.host_pool import byte_view as payload_view
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PREFIX_BYTES",
+    "CorruptPage",
+    "PageHeader",
+    "checksum",
+    "copy_hashed",
+    "encode_header",
+    "header_length",
+    "payload_view",
+    "read_hashed",
+    "verify",
+]
+
+MAGIC = b"HCRP"
+FORMAT_VERSION = 1
+PREFIX_BYTES = 8
+_PREFIX = struct.Struct("<4sI")
+_MAX_HEADER_BYTES = 1 << 16
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class CorruptPage(HiCacheError):
+    """A stored page failed verification; it must be treated as a miss and dropped."""
+
+
+class PageHeader(msgspec.Struct, frozen=True, kw_only=True):
+    format_version: int
+    namespace: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    payload_bytes: int
+    checksum: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(PageHeader)
+
+
+CHUNK_BYTES = 256 * 1024
+
+
+def checksum(payload: memoryview | bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(payload)
+
+
+def read_hashed(readinto: Callable[[memoryview], int], out: memoryview) -> tuple[str, int]:
+    """Fill ``out`` through ``readinto`` chunk by chunk, hashing each chunk while hot.
+
+    Returns the checksum of what was read and the bytes read (short at end of data).
+    """
+    h = xxhash.xxh3_128()
+    done = 0
+    while done < out.nbytes:
+        chunk = out[done : done + CHUNK_BYTES]
+        got = readinto(chunk)
+        if got <= 0:
+            break
+        h.update(chunk[:got])
+        done += got
+    return h.hexdigest(), done
+
+
+def copy_hashed(src: memoryview, out: memoryview) -> str:
+    """Copy ``src`` into ``out`` (same size) chunk by chunk; the checksum of the copy."""
+    h = xxhash.xxh3_128()
+    for start in range(0, out.nbytes, CHUNK_BYTES):
+        chunk = out[start : start + CHUNK_BYTES]
+        chunk[:] = src[start : start + CHUNK_BYTES]
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def encode_header(key: str, namespace: str, page: torch.Tensor, payload: memoryview) -> bytes:
+    """The frame prefix and header of ``page`` (its payload goes after, unchanged)."""
+    header = PageHeader(
+        format_version=FORMAT_VERSION,
+        namespace=namespace,
+        key=key,
+        dtype=_DTYPE_NAMES[page.dtype],
+        shape=tuple(page.shape),
+        payload_bytes=payload.nbytes,
+        checksum=checksum(payload),
+    )
+    body = _encoder.encode(header)
+    return _PREFIX.pack(MAGIC, len(body)) + body
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """The header length from the 8-byte frame prefix."""
+    if len(prefix) < PREFIX_BYTES:
+        raise CorruptPage(f"object shorter than its {PREFIX_BYTES}-byte frame prefix")
+    magic, length = _PREFIX.unpack(prefix[:PREFIX_BYTES])
+    if magic != MAGIC:
+        raise CorruptPage(f"bad magic {magic!r}")
+    if length > _MAX_HEADER_BYTES:
+        raise CorruptPage(f"header length {length} is implausible")
+    return int(length)
+
+
+def verify(
+    header_bytes: bytes | memoryview, key: str, namespace: str, out: torch.Tensor, digest: str
+) -> None:
+    """Check a header against the payload read into ``out``, whose checksum is ``digest``.
+
+    Raises:
+        CorruptPage: naming the first check that failed.
+    """
+    try:
+        header = _decoder.decode(header_bytes)
+    except msgspec.DecodeError as exc:
+        raise CorruptPage(f"unreadable header: {exc}") from None
+    if header.format_version != FORMAT_VERSION:
+        raise CorruptPage(f"format version {header.format_version}, expected {FORMAT_VERSION}")
+    if header.namespace != namespace:
+        raise CorruptPage(f"namespace {header.namespace}, expected {namespace}")
+    if header.key != key:
+        raise CorruptPage(f"header names key {header.key!r}")
+    dtype = _DTYPE_NAMES.get(out.dtype)
+    if header.dtype != dtype or header.shape != tuple(out.shape):
+        raise CorruptPage(
+            f"holds {header.dtype}{list(header.shape)}, expected {dtype}{list(out.shape)}"
+        )
+    payload = payload_view(out)
+    if header.payload_bytes != payload.nbytes:
+        raise CorruptPage(f"payload of {header.payload_bytes} bytes, expected {payload.nbytes}")
+    if digest != header.checksum:
+        raise CorruptPage("payload checksum mismatch")

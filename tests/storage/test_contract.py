@@ -1,0 +1,186 @@
+"""The storage contract, run against every object store (memory, local files, S3)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hicache_ray.config import Fault
+from hicache_ray.storage import FaultyObjects
+
+from .conftest import BACKENDS, empty_buffers, make_pages, make_plan, page_keys
+
+pytestmark = pytest.mark.parametrize("object_store_factory", BACKENDS, indirect=True)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_round_trip(backend_factory) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys, pages = page_keys(plan, 5), make_pages(plan, 5)
+    assert backend.exists(keys) == 0
+    assert backend.put(keys, pages) == 5
+    assert backend.exists(keys) == 5
+    out = empty_buffers(plan, 5)
+    assert backend.get(keys, out) == 5
+    assert _equal(out, pages)
+    stats = backend.stats()
+    assert (stats.put_pages, stats.get_pages, stats.num_objects) == (5, 5, 5)
+    assert stats.get_bytes == 5 * pages[0].numel() * 2
+    backend.check_integrity()
+
+
+def test_counts_are_of_leading_keys(backend_factory) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys, pages = page_keys(plan, 4), make_pages(plan, 4)
+    assert backend.put([keys[0], keys[1], keys[3]], [pages[0], pages[1], pages[3]]) == 3
+    assert backend.exists(keys) == 2
+    assert backend.get(keys, empty_buffers(plan, 4)) == 2
+    assert backend.exists(keys[2:]) == 0
+    assert backend.exists(keys[3:]) == 1
+
+
+def test_put_of_a_present_key_is_not_rewritten(backend_factory) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys, pages = page_keys(plan, 3), make_pages(plan, 3)
+    backend.put(keys, pages)
+    assert backend.put(keys, make_pages(plan, 3, seed=9)) == 3  # different bytes, same names
+    stats = backend.stats()
+    assert (stats.put_pages, stats.put_skipped, stats.num_objects) == (3, 3, 3)
+    out = empty_buffers(plan, 3)
+    assert backend.get(keys, out) == 3 and _equal(out, pages)
+
+
+def test_capacity_evicts_least_recently_used(backend_factory) -> None:
+    plan = make_plan()
+    probe = backend_factory(plan, capacity_bytes=0)
+    probe.put(page_keys(plan, 1, seed=7), make_pages(plan, 1))
+    one = probe.stats().stored_bytes
+    backend = backend_factory(plan, capacity_bytes=3 * one, scan_on_start=False)
+    keys, pages = page_keys(plan, 5), make_pages(plan, 5)
+    assert backend.put(keys[:3], pages[:3]) == 3
+    assert backend.get(keys[:1], empty_buffers(plan, 1)) == 1  # key 0 is now most recent
+    assert backend.put(keys[3:], pages[3:]) == 2  # evicts keys 1 and 2
+    assert [backend.exists([k]) for k in keys] == [1, 0, 0, 1, 1]
+    stats = backend.stats()
+    assert stats.evicted_pages == 2 and stats.stored_bytes <= 3 * one
+    backend.check_integrity()
+
+
+def test_a_page_larger_than_the_capacity_is_refused(backend_factory) -> None:
+    backend = backend_factory(capacity_bytes=100)
+    plan = backend.plan
+    assert backend.put(page_keys(plan, 1), make_pages(plan, 1)) == 0
+    assert backend.stats().put_failures == 1
+    backend.check_integrity()
+
+
+def test_concurrent_writers_of_the_same_keys(backend_factory) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys, pages = page_keys(plan, 6), make_pages(plan, 6)
+    start = threading.Barrier(4)
+    results: list[int] = []
+
+    def writer() -> None:
+        start.wait(timeout=30)
+        results.append(backend.put(keys, pages))
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [6, 6, 6, 6]
+    out = empty_buffers(plan, 6)
+    assert backend.get(keys, out) == 6 and _equal(out, pages)
+    assert backend.stats().num_objects == 6
+    backend.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncate"])
+def test_damaged_objects_are_detected_deleted_and_counted(
+    backend_factory, object_store_factory, kind
+) -> None:
+    plan = make_plan()
+    objects = FaultyObjects(
+        object_store_factory(), (Fault(op="write", kind=kind, skip=1, limit=1),)
+    )
+    backend = backend_factory(plan, objects=objects)
+    keys, pages = page_keys(plan, 3), make_pages(plan, 3)
+    assert backend.put(keys, pages) == 3  # the second object is stored damaged
+    out = empty_buffers(plan, 3)
+    assert backend.get(keys, out) == 1
+    assert torch.equal(out[0], pages[0])
+    assert backend.stats().corrupt_pages == 1
+    assert objects.inner.size(keys[1]) is None  # deleted
+    assert backend.exists(keys) == 1
+    backend.check_integrity()
+
+
+def test_foreign_namespace_pages_are_misses_and_deleted(backend_factory, object_store_factory):
+    objects = object_store_factory()
+    ours, theirs = make_plan(), make_plan(model_id="other/model")
+    keys = page_keys(ours, 2)
+    # a page stored under our key by a writer of another namespace (a mis-configured peer)
+    backend_factory(theirs, objects=objects).put(keys, make_pages(ours, 2))
+    backend = backend_factory(ours, objects=objects)
+    assert backend.get(keys, empty_buffers(ours, 2)) == 0
+    assert backend.stats().corrupt_pages == 1
+    assert objects.size(keys[0]) is None
+
+
+def test_a_buffer_of_another_shape_is_a_miss(backend_factory) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys = page_keys(plan, 1)
+    backend.put(keys, make_pages(plan, 1))
+    wrong = [torch.empty((1, *plan.objects[0].shape[1:]), dtype=torch.float16)]
+    assert backend.get(keys, wrong) == 0
+
+
+def test_metadata_cache_expires_after_its_ttl(backend_factory, object_store_factory) -> None:
+    now = [0.0]
+    objects = object_store_factory()
+    backend = backend_factory(objects=objects, metadata_ttl_s=5.0, clock=lambda: now[0])
+    plan = backend.plan
+    keys = page_keys(plan, 2)
+    backend.put(keys, make_pages(plan, 2))
+    objects.remove(keys[1])  # another process deletes a page behind our back
+    now[0] = 4.9
+    assert backend.exists(keys) == 2  # trusted from the cache
+    now[0] = 5.1
+    assert backend.exists(keys) == 1
+    backend.check_integrity()
+
+
+def test_restart_scans_this_namespace_only(backend_factory, object_store_factory) -> None:
+    plan, other = make_plan(), make_plan(model_id="other/model")
+    keys, pages = page_keys(plan, 4), make_pages(plan, 4)
+    backend_factory(plan).put(keys, pages)
+    backend_factory(other).put(page_keys(other, 3, seed=5), make_pages(other, 3))
+    # Lookups that reach the store fail from now on: only the scan can know the pages.
+    blind = FaultyObjects(object_store_factory(), (Fault(op="size", kind="fail"),))
+    restarted = backend_factory(plan, objects=blind)
+    stats = restarted.stats()
+    assert stats.num_objects == 4
+    assert restarted.exists(keys) == 4
+    out = empty_buffers(plan, 4)
+    assert restarted.get(keys, out) == 4 and _equal(out, pages)
+
+
+def test_delete(backend_factory) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys = page_keys(plan, 3)
+    backend.put(keys, make_pages(plan, 3))
+    backend.delete([*keys[1:], "absent"])
+    assert backend.exists(keys) == 1 and backend.stats().num_objects == 1
+    backend.check_integrity()

@@ -1,0 +1,146 @@
+"""Error paths of the paged backend, driven by the fault injector on a memory store."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from hicache_ray.config import Fault, FileStorageOptions, StorageConfig
+from hicache_ray.errors import ConfigError
+from hicache_ray.storage import (
+    FaultyObjects,
+    InjectedFault,
+    MemoryObjects,
+    NullBackend,
+    PagedBackend,
+    backend_names,
+    create_backend,
+)
+
+from .conftest import empty_buffers, make_pages, make_plan, page_keys
+
+
+def _backend(*faults: Fault, capacity_bytes: int = 0, seed: int = 0):
+    objects = FaultyObjects(MemoryObjects(), faults, seed)
+    return PagedBackend("memory", objects, make_plan(), capacity_bytes=capacity_bytes), objects
+
+
+def test_a_write_failure_ends_the_batch_without_holes() -> None:
+    backend, objects = _backend(Fault(op="write", kind="fail", skip=2, limit=1))
+    plan = backend.plan
+    keys = page_keys(plan, 4)
+    assert backend.put(keys, make_pages(plan, 4)) == 2
+    assert backend.exists(keys) == 2 and objects.inner.size(keys[3]) is None
+    assert backend.stats().put_failures == 1
+    assert objects.injected == {"write.fail": 1}
+    backend.check_integrity()  # the failed page's reservation was given back
+    assert backend.put(keys, make_pages(plan, 4)) == 4  # the fault was a one-off
+
+
+def test_a_failed_write_returns_its_capacity_reservation() -> None:
+    backend, _ = _backend(Fault(op="write", kind="fail"), capacity_bytes=1 << 20)
+    plan = backend.plan
+    assert backend.put(page_keys(plan, 3), make_pages(plan, 3)) == 0
+    backend.check_integrity()
+    assert backend.stats().stored_bytes == 0
+
+
+def test_read_failures_and_lookup_failures_are_misses() -> None:
+    backend, _objects = _backend(
+        Fault(op="read", kind="fail", skip=1), Fault(op="size", kind="fail")
+    )
+    plan = backend.plan
+    keys = page_keys(plan, 3)
+    assert backend.put(keys, make_pages(plan, 3)) == 3
+    assert backend.get(keys, empty_buffers(plan, 3)) == 1
+    assert backend.stats().get_failures == 1
+    backend.delete(keys)
+    assert backend.exists(keys) == 0  # the lookup fails: a miss, not an exception
+    assert backend.stats().get_failures == 2
+
+
+def test_bytes_flipped_on_read_are_caught() -> None:
+    backend, objects = _backend(Fault(op="read", kind="corrupt", limit=1))
+    plan = backend.plan
+    keys = page_keys(plan, 2)
+    backend.put(keys, make_pages(plan, 2))
+    assert backend.get(keys, empty_buffers(plan, 2)) == 0
+    assert backend.stats().corrupt_pages == 1 and objects.inner.size(keys[0]) is None
+
+
+def test_delay_slows_the_call_down() -> None:
+    backend, _ = _backend(Fault(op="size", kind="delay", delay_s=0.05))
+    start = time.perf_counter()
+    assert backend.exists(page_keys(backend.plan, 1)) == 0
+    assert time.perf_counter() - start >= 0.05
+
+
+def test_a_failing_delete_does_not_raise() -> None:
+    backend, objects = _backend(Fault(op="remove", kind="fail"))
+    keys = page_keys(backend.plan, 1)
+    backend.put(keys, make_pages(backend.plan, 1))
+    backend.delete(keys)
+    assert backend.stats().num_objects == 0 and objects.inner.size(keys[0]) is not None
+
+
+def test_the_injector_is_reproducible() -> None:
+    def hits(seed: int) -> list[int]:
+        objects = FaultyObjects(
+            MemoryObjects(), (Fault(op="size", kind="fail", probability=0.5),), seed
+        )
+        out = []
+        for _ in range(32):
+            try:
+                objects.size("k")
+                out.append(0)
+            except InjectedFault:
+                out.append(1)
+        return out
+
+    assert hits(3) == hits(3) and 0 < sum(hits(3)) < 32
+
+
+def test_unsupported_faults_are_refused() -> None:
+    with pytest.raises(ConfigError, match="truncate on read"):
+        Fault(op="read", kind="truncate")
+    with pytest.raises(ConfigError, match="probability"):
+        Fault(op="read", kind="fail", probability=2.0)
+
+
+def test_registry_builds_every_builtin_backend(tmp_path) -> None:
+    plan = make_plan()
+    assert {"none", "memory", "file"} <= set(backend_names())
+    assert isinstance(create_backend(StorageConfig(), plan), NullBackend)
+    file_config = StorageConfig(
+        backend="file", model_id="m", file=FileStorageOptions(root=str(tmp_path))
+    )
+    with create_backend(file_config, plan) as backend:
+        keys = page_keys(plan, 2)
+        assert backend.put(keys, make_pages(plan, 2)) == 2 and backend.exists(keys) == 2
+    faulty = msgspec.structs.replace(
+        file_config, faults=(Fault(op="write", kind="fail"),), backend="memory"
+    )
+    assert create_backend(faulty, plan).put(page_keys(plan, 1), make_pages(plan, 1)) == 0
+
+
+def test_null_backend_stores_nothing() -> None:
+    null = NullBackend()
+    plan = make_plan()
+    assert null.put(page_keys(plan, 1), make_pages(plan, 1)) == 0
+    assert null.exists(["a"]) == 0 and null.get([], []) == 0 and null.stats().backend == "none"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"backend": "nope", "model_id": "m"}, "storage_backend"),
+        ({"backend": "memory"}, "model_id"),
+        ({"backend": "file", "model_id": "m"}, "file.root"),
+    ],
+)
+def test_bad_storage_settings_are_refused(kwargs, field) -> None:
+    with pytest.raises(ConfigError) as info:
+        create_backend(StorageConfig(**kwargs), make_plan())
+    assert info.value.field == field
