@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import numpy as np
 import torch
@@ -154,13 +153,13 @@ def _backend_figures(
             keys = [plan.keys(h)[0] for h in page_hashes(tokens, opts.page_size)]
             names = [f"{rep}-{i}" for i in range(n)]
             time_into(partial(raw.write, names, payloads), rec["raw_put"])
-            time_into(partial(_check, backend.put, keys, pages), rec["put"])
+            _timed_batch(backend.put, keys, pages, rec["put"])
             time_into(partial(raw.read, names, out_views), rec["raw_get"])
-            time_into(partial(_check, backend.get, keys, outs), rec["get"])
+            _timed_batch(backend.get, keys, outs, rec["get"])
             if rep:
                 for _ in range(opts.exists_repeats):
                     start = time.perf_counter()
-                    _check(lambda k, _: backend.exists(k), keys[:128], [None] * min(n, 128))
+                    _check(backend.exists(keys[:128]), min(n, 128))
                     exists_us.append((time.perf_counter() - start) * 1e6)
             assert all(torch.equal(a, b) for a, b in zip(pages, outs, strict=True))
             backend.delete(keys)
@@ -190,10 +189,22 @@ def _backend_figures(
     ]
 
 
-def _check(op: Callable[[list[str], list[Any]], int], keys: list[str], data: list[Any]) -> None:
+def _timed_batch(
+    op: Callable[[list[str], list[torch.Tensor]], int],
+    keys: list[str],
+    data: list[torch.Tensor],
+    samples: list[float],
+) -> None:
+    start = time.perf_counter()
     got = op(keys, data)
-    if got != len(keys):
-        raise RuntimeError(f"storage stored or found {got} of {len(keys)} pages; see the log")
+    samples.append(time.perf_counter() - start)
+    _check(got, len(keys))
+
+
+def _check(got: int, expected: int) -> None:
+    """Timed calls are only valid when the whole batch went through."""
+    if got != expected:
+        raise RuntimeError(f"storage stored or found {got} of {expected} pages; see the log")
 
 
 def run_storage_bench(

@@ -73,33 +73,31 @@ class MemoryObjects(ObjectStore):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._objects: dict[str, bytes] = {}  # guarded by _lock
-        self._clock = 0  # guarded by _lock: logical modification time
-        self._mtimes: dict[str, float] = {}  # guarded by _lock
+        # guarded by _lock: key -> (framed object, logical modification time)
+        self._objects: dict[str, tuple[bytes, int]] = {}
+        self._clock = 0  # guarded by _lock
 
     def write(self, key: str, header: bytes, payload: memoryview) -> None:
         data = header + payload  # one copy: the caller's buffer may be reused
         with self._lock:
-            self._objects[key] = data
             self._clock += 1
-            self._mtimes[key] = self._clock
+            self._objects[key] = (data, self._clock)
 
     def read(self, key: str, out: memoryview) -> tuple[bytes, str] | None:
         with self._lock:
-            data = self._objects.get(key)
-        return None if data is None else split_object(data, out)
+            found = self._objects.get(key)
+        return None if found is None else split_object(found[0], out)
 
     def size(self, key: str) -> int | None:
         with self._lock:
-            data = self._objects.get(key)
-        return None if data is None else len(data)
+            found = self._objects.get(key)
+        return None if found is None else len(found[0])
 
     def remove(self, key: str) -> None:
         with self._lock:
             self._objects.pop(key, None)
-            self._mtimes.pop(key, None)
 
     def scan(self) -> Iterator[tuple[str, int, float]]:
         with self._lock:
-            items = [(k, len(v), self._mtimes[k]) for k, v in self._objects.items()]
+            items = [(k, len(data), float(t)) for k, (data, t) in self._objects.items()]
         yield from items

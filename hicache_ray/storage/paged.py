@@ -290,8 +290,7 @@ class PagedBackend(StorageBackend):
         with self._lock:
             for _, key, size in found:
                 self._remember(key, size, now)
-        victims = self._reserve(0) or []
-        self._remove_objects(victims)
+        self._remove_objects(self._reserve(0) or [])  # reserving nothing evicts down to budget
         log.info("storage %s: found %d pages of this namespace", self.name, len(found))
 
 
