@@ -53,6 +53,7 @@ class CacheHandle:
     locked_node: TreeNode
     loads: list[Transfer] = field(default_factory=list)
     loaded_nodes: list[TreeNode] = field(default_factory=list)
+    extra_pages: list[int] = field(default_factory=list)  # loaded from outside the tree
     num_reserved_pages: int = 0
     num_tokens: int = 0  # tokens with a device slot: cached plus reserved
     finished: bool = False
@@ -99,14 +100,35 @@ class HiCache:
         self.rule = write_rule(config.write)
         self.counters = CacheStats()
         self._writes: list[tuple[Transfer, list[TreeNode]]] = []  # in flight, FIFO
+        # Reaped writes (nodes, ok) in submission order, until the controller acknowledges
+        # them; num_completed_writes counts every write reaped since start.
+        self.completed_writes: list[tuple[list[TreeNode], bool]] = []
+        self.num_completed_writes = 0
         self._num_private_pages = 0  # device pages held by handles, not (yet) in the tree
 
     # --------------------------------------------------------------- requests
 
-    def match(self, tokens: TokenIds) -> CacheHandle:
-        """Match ``tokens``, lock the matched path and start loading its host part."""
+    def match(
+        self,
+        tokens: TokenIds,
+        *,
+        limit_pages: int | None = None,
+        extra_host_pages: list[int] | None = None,
+    ) -> CacheHandle:
+        """Match ``tokens``, lock the matched path and start loading its host part.
+
+        Args:
+            limit_pages: use at most this many leading pages of the match (the length the
+                ranks agreed on).
+            extra_host_pages: host pages holding the KV of the pages right after the tree's
+                match (a refill the tree could not take); they are loaded into device pages
+                of this handle and freed, and the tree gets them at :meth:`finish`. Ignored
+                (and freed) when the match is shorter than they assume.
+        """
         self.poll()
         key = encode_tokens(tokens)
+        if limit_pages is not None:
+            key = key[: limit_pages * self.page_size * 4]
         m = self.tree.match_prefix(key)
         self.tree.lock(m.best_match_node)
         for node in self.tree.path(m.last_device_node):
@@ -123,6 +145,12 @@ class HiCache:
         )
         if m.host_hit_pages:
             self._load(handle, self.tree.path(m.best_match_node, stop=m.last_device_node))
+        if extra_host_pages:
+            expected = len(m.device_pages) + m.host_hit_pages
+            if handle.num_tokens == expected * self.page_size:
+                self._load_extra(handle, extra_host_pages)
+            else:
+                self.host_pool.allocator.free(extra_host_pages)
         self.counters.device_hit_tokens += handle.device_hit_tokens
         self.counters.host_hit_tokens += handle.host_hit_tokens
         return handle
@@ -135,6 +163,10 @@ class HiCache:
             except TransferError:
                 self.counters.load_failures += 1
                 self._drop_failed_load(handle, t)
+                return
+            self.counters.load_latency_s += t.latency_s or 0.0
+            self.counters.loads += 1
+        handle.loads = []
 
     def reserve(self, handle: CacheHandle, num_tokens: int) -> list[int]:
         """Device pages for ``num_tokens`` more tokens of ``handle``, evicting if needed.
@@ -203,9 +235,13 @@ class HiCache:
             if ok:
                 self.counters.written_pages += len(t.host_pages)
                 self.counters.bytes_written += t.num_bytes
+                self.counters.writes += 1
+                self.counters.write_latency_s += t.latency_s or 0.0
             else:
                 self.counters.write_failures += 1
                 self._drop_host_copies(t)
+            self.completed_writes.append((nodes, ok))
+            self.num_completed_writes += 1
 
     def flush(self) -> None:
         """Wait for every host write in flight."""
@@ -261,8 +297,12 @@ class HiCache:
             n = len(node.host_pages or ())
             self.tree.set_device(node, device_pages[start : start + n], t)
             start += n
-        handle.loads.append(t)
         handle.loaded_nodes.extend(fits)
+        self._add_load(handle, t, device_pages)
+
+    def _add_load(self, handle: CacheHandle, t: Transfer, device_pages: list[int]) -> None:
+        """Give ``handle`` the pages a load fills, as cached (host-hit) tokens."""
+        handle.loads.append(t)
         handle.device_pages.extend(device_pages)
         tokens = len(device_pages) * self.page_size
         handle.num_cached_tokens += tokens
@@ -271,10 +311,33 @@ class HiCache:
         self.counters.loaded_pages += len(device_pages)
         self.counters.bytes_loaded += t.num_bytes
 
+    def _load_extra(self, handle: CacheHandle, host_pages: list[int]) -> None:
+        device_pages = self._alloc_device(len(host_pages))
+        if device_pages is None:
+            self.counters.load_skipped_device_full += 1
+            self.host_pool.allocator.free(host_pages)
+            return
+        t = self.transfers.load(host_pages, device_pages)
+        self.host_pool.allocator.free(host_pages, fence=t)
+        handle.extra_pages = device_pages
+        handle.num_reserved_pages += len(device_pages)
+        self._num_private_pages += len(device_pages)
+        self._add_load(handle, t, device_pages)
+
     def _drop_failed_load(self, handle: CacheHandle, t: Transfer) -> None:
-        nodes = [n for n in handle.loaded_nodes if n.device_pending is t]
+        alloc = self.device_pool.allocator
+        for load in handle.loads:  # other loads of the handle may still be copying
+            if load is not t:
+                with contextlib.suppress(TransferError):
+                    load.wait()
+        nodes = [n for n in handle.loaded_nodes if n.device_pending is not None]
         for node in reversed(nodes):
-            self.device_pool.allocator.free(self.tree.clear_device(node))
+            alloc.free(self.tree.clear_device(node), fence=node.device_pending)  # type: ignore[arg-type]
+        if handle.extra_pages:
+            alloc.free(handle.extra_pages, fence=t)
+            handle.num_reserved_pages -= len(handle.extra_pages)
+            self._num_private_pages -= len(handle.extra_pages)
+            handle.extra_pages = []
         keep = handle.device_hit_tokens // self.page_size
         handle.device_pages = handle.device_pages[:keep]
         handle.num_cached_tokens = handle.num_tokens = handle.device_hit_tokens
@@ -317,7 +380,7 @@ class HiCache:
 
     def _drop_host_copies(self, t: Transfer) -> None:
         for node in [n for n in self.tree.nodes() if n.host_pending is t]:
-            self.host_pool.allocator.free(self.tree.clear_host(node))
+            self.host_pool.allocator.free(self.tree.clear_host(node), fence=t)
 
     # --------------------------------------------------------------- checking
 

@@ -33,7 +33,7 @@ def _device(name: str) -> torch.device:
 def _bench_micro(args: argparse.Namespace) -> int:
     from hicache_ray.bench.micro import MicroOptions, run_micro
 
-    opts = MicroOptions.quick() if args.quick else MicroOptions()
+    opts = MicroOptions.quick_options() if args.quick else MicroOptions()
     device = _device(args.device)
     torch.set_num_threads(args.threads)
     figures = run_micro(opts, device, _log)

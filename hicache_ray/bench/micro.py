@@ -45,10 +45,12 @@ class MicroOptions:
     prefix_len: int = 1024
     suffix_len: int = 256
     large_requests: int = 4000
+    quick: bool = False
 
     @classmethod
-    def quick(cls) -> MicroOptions:
+    def quick_options(cls) -> MicroOptions:
         return cls(
+            quick=True,
             num_layers=4,
             num_kv_heads=2,
             head_dim=32,
@@ -184,4 +186,12 @@ def tree_figures(opts: MicroOptions, log: Callable[[str], None]) -> list[Figure]
 def run_micro(
     opts: MicroOptions, device: torch.device, log: Callable[[str], None] = print
 ) -> list[Figure]:
-    return transfer_figures(opts, device, log) + tree_figures(opts, log)
+    from hicache_ray.bench.consensus import ConsensusOptions, consensus_figures, fetch_figures
+
+    copts = ConsensusOptions.quick() if opts.quick else ConsensusOptions()
+    return (
+        transfer_figures(opts, device, log)
+        + tree_figures(opts, log)
+        + consensus_figures(copts, log)
+        + fetch_figures(copts, device, log)
+    )

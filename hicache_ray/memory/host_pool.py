@@ -119,6 +119,16 @@ class HostPool:
             out[offset : offset + view.shape[0]].copy_(view)
         return out
 
+    def object_view(
+        self, page: int, layers: tuple[int, int] | None = None, heads: tuple[int, int] | None = None
+    ) -> torch.Tensor | None:
+        """The pool's own bytes of an object when they are contiguous (reads from storage
+        can land there directly), else None (read into a buffer, then :meth:`write_object`)."""
+        parts = self._object_parts(page, layers, heads)
+        if len(parts) == 1 and parts[0][1].is_contiguous():
+            return parts[0][1]
+        return None
+
     def write_object(
         self,
         page: int,

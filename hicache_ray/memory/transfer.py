@@ -73,6 +73,7 @@ class Transfer:
         self._part_layers = [0] * num_parts  # guarded by _cond: layers done per part
         self._layers_done = 0 if num_parts else num_layers  # guarded by _cond
         self._error: BaseException | None = None  # guarded by _cond
+        self._parts_running = num_parts  # guarded by _cond
         if not num_parts:
             self.finished_at = self.submitted_at
 
@@ -91,6 +92,13 @@ class Transfer:
     def ok(self) -> bool:
         with self._cond:
             return self._error is None and self._layers_done >= self.num_layers
+
+    @property
+    def settled(self) -> bool:
+        """True once no worker will touch this transfer's pages again (even after a failure,
+        other parts may still be copying until then)."""
+        with self._cond:
+            return self._parts_running == 0
 
     @property
     def latency_s(self) -> float | None:
@@ -128,6 +136,10 @@ class Transfer:
                 if done >= self.num_layers:
                     self.finished_at = time.perf_counter()
                 self._cond.notify_all()
+
+    def _part_end(self) -> None:
+        with self._cond:
+            self._parts_running -= 1
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -168,6 +180,8 @@ class _CopyWorker(threading.Thread):
                 self._copy(part)
             except BaseException as exc:
                 part.transfer._fail(exc)
+            finally:
+                part.transfer._part_end()
 
     def _copy(self, part: _Part) -> None:
         engine, t = self._engine, part.transfer

@@ -28,9 +28,13 @@ class TreeNode:
 
     States: on device (``device_pages`` set), ``evicted`` (not on device), ``backuped`` (a
     completed host copy), dead (neither: its subtree cannot be reached by a match).
+
+    ``page_hashes`` caches the storage page hashes of the key (filled by whoever needs
+    them; a split divides it), and ``backup`` the latest L3 backup of the node's pages.
     """
 
     __slots__ = (
+        "backup",
         "children",
         "device_pages",
         "device_pending",
@@ -42,6 +46,7 @@ class TreeNode:
         "last_access",
         "lock_ref",
         "num_device_children",
+        "page_hashes",
         "parent",
     )
 
@@ -58,6 +63,8 @@ class TreeNode:
         self.hit_count = 0
         self.last_access = 0
         self.num_device_children = 0
+        self.page_hashes: list[str] | None = None
+        self.backup: object | None = None
 
     @property
     def evicted(self) -> bool:

@@ -19,6 +19,7 @@ import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from hicache_ray.tree.integrity import check_tree
 from hicache_ray.tree.node import MatchResult, Pending, TreeNode
 from hicache_ray.tree.tokens import TOKEN_BYTES, TokenIds, encode_tokens
 
@@ -62,11 +63,11 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ queries
 
-    def match_prefix(self, tokens: TokenIds) -> MatchResult:
+    def match_prefix(self, tokens: TokenIds, *, count_hit: bool = True) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages only).
 
-        Updates recency and hit counts of the matched nodes, and splits a node the match ends
-        inside of (which changes no cached content).
+        Updates recency (and, with ``count_hit``, hit counts) of the matched nodes, and
+        splits a node the match ends inside of (which changes no cached content).
         """
         page = self._page_bytes
         key = encode_tokens(tokens)
@@ -88,7 +89,7 @@ class HiRadixTree:
                 klen = self._common_pages(child.key, key, pos) * page
                 child = self._split(child, klen)
             child.last_access = now
-            child.hit_count += 1
+            child.hit_count += count_hit
             if on_device and child.device_pages is not None:
                 device_pages.extend(child.device_pages)
                 if child.device_pending is not None and not child.device_pending.done:
@@ -162,6 +163,61 @@ class HiRadixTree:
                 result.adopted_nodes.append(child)
             elif child.device_pages != segment:
                 result.duplicate_pages.extend(segment)
+            node, pos = child, pos + klen
+        return result
+
+    def insert_host(
+        self, tokens: TokenIds, start_page: int, host_pages: Sequence[int]
+    ) -> InsertResult:
+        """Record host-only KV (e.g. read from storage) for pages ``[start_page, start_page
+        + len(host_pages))`` of ``tokens``, whose first ``start_page`` pages are in the tree.
+
+        Pages the tree already holds in some tier come back in ``duplicate_pages``; a
+        node on the device without a host copy adopts the caller's pages as its host copy.
+
+        Raises:
+            ValueError: ``tokens`` are too short, or the first ``start_page`` pages are not
+                all in the tree.
+        """
+        page = self._page_bytes
+        start = start_page * page
+        end = start + len(host_pages) * page
+        key = encode_tokens(tokens)
+        if len(key) < end:
+            raise ValueError(f"{end // TOKEN_BYTES} tokens needed, got {len(key) // TOKEN_BYTES}")
+        key = key[:end]
+        self._clock += 1
+        now = self._clock
+        result = InsertResult()
+        node, pos = self.root, 0
+        while pos < end:
+            child = node.children.get(key[pos : pos + page])
+            if child is None:
+                if pos < start:
+                    raise ValueError(f"page {pos // page} of the prefix is not in the tree")
+                new = self._add_child(node, key[pos:], now)
+                self.set_host(new, list(host_pages[(pos - start) // page :]), None)
+                self._refresh(new)
+                result.new_nodes.append(new)
+                break
+            klen = len(child.key)
+            if key[pos : pos + klen] != child.key:
+                klen = self._common_pages(child.key, key, pos) * page
+            if pos < start < pos + klen:
+                klen = start - pos  # align a node straddling the start with it
+            if klen < len(child.key):
+                child = self._split(child, klen)
+            child.last_access = now
+            if pos >= start:
+                segment = list(host_pages[(pos - start) // page : (pos - start + klen) // page])
+                if child.host_pages is None:
+                    self.set_host(child, segment, None)
+                    self._refresh(child)
+                    result.adopted_nodes.append(child)
+                else:
+                    result.duplicate_pages.extend(segment)
+            elif child.dead:
+                raise ValueError(f"page {pos // page} of the prefix is not in the tree")
             node, pos = child, pos + klen
         return result
 
@@ -314,6 +370,10 @@ class HiRadixTree:
             if pages is not None:
                 setattr(mid, attr, pages[:cut])
                 setattr(child, attr, pages[cut:])
+        if child.page_hashes is not None:
+            mid.page_hashes = child.page_hashes[:cut]
+            child.page_hashes = child.page_hashes[cut:]
+        mid.backup = child.backup
         mid.device_pending = child.device_pending
         mid.host_pending = child.host_pending
         mid.lock_ref = child.lock_ref
@@ -379,53 +439,4 @@ class HiRadixTree:
 
     def check_integrity(self) -> None:
         """Assert every invariant in the module docstring and the page counters."""
-        page = self._page_bytes
-        device_total = host_total = count = 0
-        seen_device: set[int] = set()
-        seen_host: set[int] = set()
-        device_leaves: set[TreeNode] = set()
-        host_leaves: set[TreeNode] = set()
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            lock_sum = 0
-            device_children = 0
-            for first, child in node.children.items():
-                assert child.parent is node, f"{child}: wrong parent"
-                assert child.key[:page] == first, f"{child}: indexed under another page"
-                lock_sum += child.lock_ref
-                device_children += child.device_pages is not None
-                stack.append(child)
-            assert node is self.root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
-            assert node.num_device_children == device_children, f"{node}: device child count"
-            if node is self.root:
-                continue
-            count += 1
-            pages = len(node.key) // page
-            assert node.key and len(node.key) % page == 0, f"{node}: key not whole pages"
-            assert node.lock_ref >= 0, f"{node}: negative lock_ref"
-            assert node.children or not node.dead, f"{node}: dead leaf"
-            parent = node.parent
-            assert parent is not None
-            if node.device_pages is not None:
-                assert len(node.device_pages) == pages, f"{node}: device page count"
-                assert parent is self.root or parent.device_pages is not None, (
-                    f"{node}: on device under an evicted parent"
-                )
-                assert seen_device.isdisjoint(node.device_pages), f"{node}: device page reused"
-                seen_device.update(node.device_pages)
-                device_total += pages
-                if not device_children:
-                    device_leaves.add(node)
-            elif not node.children:
-                host_leaves.add(node)
-            if node.host_pages is not None:
-                assert len(node.host_pages) == pages, f"{node}: host page count"
-                assert seen_host.isdisjoint(node.host_pages), f"{node}: host page reused"
-                seen_host.update(node.host_pages)
-                host_total += pages
-        assert count == self.num_nodes, "node count"
-        assert device_total == self.num_device_pages, "device page counter"
-        assert host_total == self.num_host_pages, "host page counter"
-        assert device_leaves == self._device_leaves, "device leaf set"
-        assert host_leaves == self._host_leaves, "host leaf set"
+        check_tree(self)

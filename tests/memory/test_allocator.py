@@ -58,3 +58,59 @@ def test_random_alloc_free_keeps_accounting(ops: list[tuple[bool, int]]) -> None
             del held[:n]
         a.check_integrity()
         assert a.num_used_pages == len(held)
+
+
+class _Fence:
+    def __init__(self) -> None:
+        self.settled = False
+
+
+def test_fenced_pages_are_not_reused_until_the_fence_settles() -> None:
+    a = PageAllocator(4)
+    pages = a.allocate(4)
+    assert pages is not None
+    fence = _Fence()
+    a.free(pages[:2], fence=fence)
+    assert a.num_free_pages == 0 and a.num_fenced_pages == 2 and a.num_used_pages == 2
+    assert a.allocate(1) is None
+    with pytest.raises(AllocatorError):
+        a.free([pages[0]])  # already freed: a double free is still caught
+    a.check_integrity()
+    fence.settled = True
+    assert a.num_fenced_pages == 0 and a.allocate(2) == pages[:2]
+    a.free(pages[2:], fence=fence)  # a settled fence frees at once
+    assert a.num_free_pages == 2
+    a.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), max_size=60))
+def test_random_fenced_frees_keep_accounting(ops: list[tuple[int, int]]) -> None:
+    a = PageAllocator(16)
+    held: list[int] = []
+    fences: list[_Fence] = []
+    fenced: dict[int, list[int]] = {}
+    for op, n in ops:
+        if op == 0:
+            got = a.allocate(n)
+            if got is not None:
+                assert not set(got) & set(held) and not set(got) & {
+                    p for f in fenced.values() for p in f
+                }
+                held += got
+        elif op == 1:
+            fence = _Fence()
+            fences.append(fence)
+            fenced[id(fence)] = held[:n]
+            a.free(held[:n], fence=fence)
+            del held[:n]
+        elif op == 2 and fences:
+            fence = fences.pop(0)
+            fence.settled = True
+            fenced.pop(id(fence))
+        else:
+            a.free(held[:n])
+            del held[:n]
+        a.check_integrity()
+        assert a.num_used_pages == len(held)
+        assert a.num_fenced_pages == sum(len(p) for p in fenced.values())

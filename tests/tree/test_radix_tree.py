@@ -152,3 +152,24 @@ def test_guards_on_state_changes() -> None:
         t.set_host(node, [1, 2], None)
     assert t.clear_host(node) == [1, 2]
     t.check_integrity()
+
+
+def test_insert_host_adds_refills_under_the_prefix_and_reports_duplicates() -> None:
+    tree = HiRadixTree(P)
+    tokens = list(range(8 * P))
+    tree.insert(tokens, [0, 1])  # pages 0-1 on device
+    result = tree.insert_host(tokens, 2, [10, 11, 12])  # pages 2-4 from storage
+    assert [n.host_pages for n in result.new_nodes] == [[10, 11, 12]]
+    m = tree.match_prefix(tokens)
+    assert m.device_pages == [0, 1] and m.host_hit_pages == 3
+    # Again, overlapping: pages 2-4 are duplicates, page 5 is new.
+    again = tree.insert_host(tokens, 2, [20, 21, 22, 23])
+    assert again.duplicate_pages == [20, 21, 22] and again.new_nodes[0].host_pages == [23]
+    # A device-only node adopts host pages; a prefix not in the tree is refused.
+    other = [7] * (4 * P)
+    tree.insert(other, [5, 6, 7])
+    adopt = tree.insert_host(other, 1, [30, 31])
+    assert adopt.duplicate_pages == [] and [n.host_pages for n in adopt.adopted_nodes] == [[30, 31]]
+    with pytest.raises(ValueError, match="not in the tree"):
+        tree.insert_host([9] * (4 * P), 1, [40])
+    tree.check_integrity()

@@ -1,0 +1,24 @@
+"""The cache controller: consensus across ranks and the write/load/prefetch/backup pipelines."""
+
+from hicache_ray.controller.consensus import (
+    Consensus,
+    ConsensusError,
+    GlooConsensus,
+    LocalConsensus,
+    Rendezvous,
+    start_rendezvous,
+)
+from hicache_ray.controller.controller import CacheController, StepResult
+from hicache_ray.controller.protocol import Arrival
+
+__all__ = [
+    "Arrival",
+    "CacheController",
+    "Consensus",
+    "ConsensusError",
+    "GlooConsensus",
+    "LocalConsensus",
+    "Rendezvous",
+    "StepResult",
+    "start_rendezvous",
+]

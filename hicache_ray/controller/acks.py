@@ -1,0 +1,127 @@
+"""Acknowledgements of host writes and L3 backups, agreed across ranks.
+
+Each rank counts the writes and backups it has completed, in submission order; the step's
+MIN makes the count every rank has reached, and only those are acknowledged. A backup that
+failed on any rank is acknowledged as failed on every rank (the agreed first failure), so
+every rank's tree marks the same nodes as stored. Acknowledged writes feed the backup
+pipeline in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from hicache_ray.cache import HiCache
+from hicache_ray.controller.backup import BackupPipeline, BackupTask
+from hicache_ray.keys import page_hashes
+from hicache_ray.stats import ControllerStats
+from hicache_ray.tree import TreeNode
+
+__all__ = ["NO_FAILURE", "Acknowledger"]
+
+NO_FAILURE = 1 << 62  # "no failed backup" in the MIN of first failures
+
+
+class Acknowledger:
+    """Turns agreed counts into acknowledged writes and backups on one rank."""
+
+    def __init__(
+        self, cache: HiCache, backup: BackupPipeline | None, salt: str, stats: ControllerStats
+    ) -> None:
+        self._cache = cache
+        self._backup = backup
+        self._salt = salt
+        self._stats = stats
+        self._writes_acked = 0
+        self._backups: list[BackupTask] = []  # submitted, not acknowledged; FIFO
+        self._backups_acked = 0  # sequence number of _backups[0]
+
+    # ------------------------------------------------------------------ facts
+
+    def facts(self) -> list[int]:
+        """[completed writes, completed backups, first failed backup] (cumulative counts)."""
+        done = 0
+        first_failed = NO_FAILURE
+        for task in self._backups:
+            if not task.done:
+                break
+            if task.failure is not None and first_failed == NO_FAILURE:
+                first_failed = self._backups_acked + done
+            done += 1
+        return [self._cache.num_completed_writes, self._backups_acked + done, first_failed]
+
+    @property
+    def pending_backups(self) -> int:
+        return len(self._backups)
+
+    def wait_backups(self, timeout: float | None = None) -> None:
+        """Block until every submitted backup has run (local; no collective)."""
+        for task in list(self._backups):
+            task.finished.wait(timeout)
+
+    # ---------------------------------------------------------------- agreed
+
+    def apply(self, writes: int, backups: int, first_failed: int) -> None:
+        """Acknowledge what every rank has completed (the agreed values of :meth:`facts`)."""
+        end = min(backups, first_failed)
+        while self._backups and self._backups_acked < end:
+            self._ack_backup(self._backups.pop(0), ok=True)
+            self._backups_acked += 1
+        if first_failed < backups and self._backups and self._backups_acked == first_failed:
+            self._ack_backup(self._backups.pop(0), ok=False)
+            self._backups_acked += 1
+        new = writes - self._writes_acked
+        if new <= 0:
+            return
+        acked = self._cache.completed_writes[:new]
+        del self._cache.completed_writes[:new]
+        self._writes_acked += len(acked)
+        for nodes, ok in acked:
+            if ok and self._backup is not None:
+                for node in nodes:
+                    self._submit_backup(node)
+
+    def _submit_backup(self, node: TreeNode) -> None:
+        tree = self._cache.tree
+        if node.host_pages is None or node.backup is not None or node.parent is None:
+            return
+        parent = node.parent
+        parent_task = None
+        if parent is not tree.root:
+            if not isinstance(parent.backup, BackupTask):
+                self._stats.backup_skipped_gap += 1
+                return
+            parent_task = parent.backup
+        task = BackupTask(node, self._hashes(node), list(node.host_pages), parent_task)
+        node.backup = task
+        tree.lock(node)  # its host slots stay put until the backup is acknowledged
+        self._backups.append(task)
+        assert self._backup is not None
+        self._backup.submit(task)
+
+    def _ack_backup(self, task: BackupTask, *, ok: bool) -> None:
+        node = task.node
+        self._cache.tree.unlock(node)
+        if ok:
+            self._stats.backed_up_pages += len(task.hashes)
+            self._stats.backup_bytes += task.num_bytes
+            return
+        if task.failure == "parent_not_stored":
+            self._stats.backup_skipped_gap += 1
+        else:
+            self._stats.backup_failures += 1
+        if node.backup is task:
+            node.backup = None  # its children will not be stored either: no holes
+
+    def _hashes(self, node: TreeNode) -> list[str]:
+        """Page hashes of ``node`` (chained from the root), cached on the nodes."""
+        root = self._cache.tree.root
+        chain = []
+        while node is not root and node.page_hashes is None:
+            chain.append(node)
+            assert node.parent is not None
+            node = node.parent
+        prior = b"" if node is root else bytes.fromhex(node.page_hashes[-1])  # type: ignore[index]
+        page_size = self._cache.page_size
+        for n in reversed(chain):
+            n.page_hashes = page_hashes(n.key, page_size, salt=self._salt or None, prior=prior)
+            prior = bytes.fromhex(n.page_hashes[-1])
+        return chain[0].page_hashes if chain else node.page_hashes  # type: ignore[return-value]

@@ -1,0 +1,127 @@
+"""The backup pipeline (L2 -> L3): one thread storing host pages, in prefix order.
+
+The scheduler thread submits one :class:`BackupTask` per tree node whose host copy the
+ranks agreed is written, parents before children (writes are acknowledged in submission
+order, and a path is written parents first). The :class:`BackupWorker` skips the leading
+pages already stored, stores the rest in batches, and stops at the first failure. A task
+whose parent's backup did not store every page is skipped: a stored prefix never has a
+hole. The node stays locked (its host slots cannot be evicted) until the scheduler thread
+acknowledges the task.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from hicache_ray.keys import ShardPlan
+from hicache_ray.memory import HostPool
+from hicache_ray.storage import StorageBackend
+from hicache_ray.tree import TreeNode
+
+__all__ = ["BackupPipeline", "BackupTask"]
+
+log = logging.getLogger(__name__)
+
+
+class BackupTask:
+    """Store one node's pages. Set by the worker: ``stored_pages``, ``failure``, ``done``."""
+
+    def __init__(
+        self, node: TreeNode, hashes: list[str], host_pages: list[int], parent: BackupTask | None
+    ) -> None:
+        self.node = node
+        self.hashes = hashes
+        self.host_pages = host_pages
+        self.parent = parent  # None: the parent is the root or already stored
+        self.stored_pages = 0
+        self.skipped_pages = 0  # already in storage
+        self.num_bytes = 0
+        self.failure: str | None = None
+        self.done = False
+        self.finished = threading.Event()
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.failure is None
+
+    @classmethod
+    def already_stored(cls, node: TreeNode) -> BackupTask:
+        """The record of a node whose pages came from storage (nothing to write)."""
+        task = cls(node, [], [], None)
+        task.done = True
+        task.finished.set()
+        return task
+
+
+class BackupWorker(threading.Thread):
+    """Stores the pages of each task, leading pages first, stopping at the first failure."""
+
+    def __init__(self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch: int):
+        super().__init__(name="hicache-backup", daemon=True)
+        self.inbox: queue.SimpleQueue[BackupTask | None] = queue.SimpleQueue()
+        self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
+
+    def run(self) -> None:
+        while (task := self.inbox.get()) is not None:
+            try:
+                if task.parent is not None and not task.parent.ok:
+                    task.failure = "parent_not_stored"
+                else:
+                    self._store(task)
+            except Exception as exc:
+                log.warning("backup failed: %s", exc)
+                task.failure = "write_failed"
+            finally:
+                task.done = True
+                task.finished.set()
+
+    def _store(self, task: BackupTask) -> None:
+        plan = self._plan
+        per_page = len(plan.objects)
+        keys = [k for h in task.hashes for k in plan.keys(h)]
+        present = self._storage.exists(keys) // per_page
+        task.skipped_pages = task.stored_pages = present
+        writers = [i for i, obj in enumerate(plan.objects) if obj.writer]
+        for start in range(present, len(task.hashes), self._batch):
+            end = min(start + self._batch, len(task.hashes))
+            batch_keys: list[str] = []
+            pages: list[torch.Tensor] = []
+            for index in range(start, end):
+                slot = task.host_pages[index]
+                for i in writers:
+                    obj = plan.objects[i]
+                    batch_keys.append(keys[index * per_page + i])
+                    pages.append(self._pool.read_object(slot, obj.local_layers, obj.local_heads))
+            stored = self._storage.put(batch_keys, pages)
+            task.num_bytes += sum(p.nbytes for p in pages[:stored])
+            if stored < len(batch_keys):
+                task.stored_pages = start + stored // max(1, len(writers))
+                task.failure = "write_failed"
+                return
+            task.stored_pages = end
+
+
+class BackupPipeline:
+    """The backup thread over one storage backend, started and stopped in one place."""
+
+    def __init__(
+        self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch_pages: int
+    ) -> None:
+        self.worker = BackupWorker(storage, plan, host_pool, batch_pages)
+        self._closed = False
+        self.worker.start()
+
+    def submit(self, task: BackupTask) -> None:
+        self.worker.inbox.put(task)
+
+    def close(self) -> None:
+        """Stop the thread after the tasks queued so far; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.worker.inbox.put(None)
+        self.worker.join()

@@ -1,0 +1,258 @@
+"""One rank's cache controller: L1/L2 cache, L3 pipelines and the per-step agreement.
+
+The scheduler loop of every rank calls, in the same order on every rank::
+
+    result = ctl.step(arrivals)       # rank 0 passes new requests; others pass nothing
+    for rid in result.runnable:       # agreed: identical list on every rank
+        handle = ctl.take(rid)        # lock + load the agreed prefix; then reserve/finish
+        ...
+
+``step`` makes exactly the collectives of :mod:`hicache_ray.controller.protocol`, whatever
+this rank's local state. ``take`` and ``cancel`` change which requests the next step's
+vector describes, so every rank must call them for the same requests between the same
+steps (deciding from ``runnable``, which is agreed, guarantees it).
+
+Every prefix length the ranks act on (cached, stored, fetched) is an agreed MIN, so a
+rank whose storage misses pages, fails or is slow only shortens what everyone uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from hicache_ray.cache import CacheHandle, HiCache
+from hicache_ray.config import CacheConfig
+from hicache_ray.controller.acks import Acknowledger
+from hicache_ray.controller.backup import BackupPipeline
+from hicache_ray.controller.consensus import Consensus, LocalConsensus
+from hicache_ray.controller.prefetch import PrefetchPipeline
+from hicache_ray.controller.protocol import Arrival, Header, decode_arrivals, encode_arrivals
+from hicache_ray.controller.requests import RequestState
+from hicache_ray.keys import plan_shard
+from hicache_ray.layout import ShardKV
+from hicache_ray.stats import ControllerStats
+from hicache_ray.storage import StorageBackend, create_backend
+from hicache_ray.tree.tokens import TokenIds
+
+__all__ = ["CacheController", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """What one step agreed (identical on every rank).
+
+    Attributes:
+        step: the step number (1 for the first call).
+        arrivals: requests admitted this step, in rank 0's order.
+        runnable: admitted requests whose prefetch policy lets them run now, oldest first.
+        busy: some rank still has background work (writes, queries, reads, backups) or
+            requests in flight.
+    """
+
+    step: int
+    arrivals: list[Arrival] = field(default_factory=list)
+    runnable: list[str] = field(default_factory=list)
+    busy: bool = False
+
+
+class CacheController:
+    """L1/L2 cache plus L3 prefetch and backup pipelines, agreed across ranks each step.
+
+    Args:
+        config: cache settings.
+        kv: this rank's KV shard facts.
+        consensus: the group of ranks (a single rank when omitted).
+        storage: an L3 backend; created from ``config.storage`` when omitted.
+        device, host_budget_bytes, num_copy_workers: as for :class:`HiCache`.
+        clock: monotonic seconds (tests pass a fake one for ``timeout`` policies).
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        kv: ShardKV,
+        *,
+        consensus: Consensus | None = None,
+        storage: StorageBackend | None = None,
+        device: torch.device | None = None,
+        host_budget_bytes: int | None = None,
+        num_copy_workers: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.consensus = consensus or LocalConsensus()
+        self.cache = HiCache(
+            config,
+            kv,
+            device=device,
+            host_budget_bytes=host_budget_bytes,
+            num_copy_workers=num_copy_workers,
+        )
+        self.plan = plan_shard(kv, config) if config.storage.backend != "none" else None
+        self._owns_storage = storage is None and self.plan is not None
+        if storage is None and self.plan is not None:
+            storage = create_backend(config.storage, self.plan)
+        self.storage = storage
+        if storage is not None and self.plan is None:
+            self.plan = plan_shard(kv, config)
+        self.stats_ = ControllerStats(cache=self.cache.counters)
+        batch = config.storage.batch_size_pages
+        host = self.cache.host_pool
+        self.prefetch = (
+            PrefetchPipeline(storage, self.plan, host, batch)  # type: ignore[arg-type]
+            if storage is not None
+            else None
+        )
+        backup = (
+            BackupPipeline(storage, self.plan, host, batch)  # type: ignore[arg-type]
+            if storage is not None
+            else None
+        )
+        self.backup = backup
+        self.acks = Acknowledger(self.cache, backup, config.storage.tenant_salt, self.stats_)
+        self.requests = RequestState(self, clock)
+        self._step = 0
+        self._failed_since_step = False
+        self._contributed: list[int] | None = None  # this rank's facts at the last exchange
+        self._busy_agreed = False
+
+    # ------------------------------------------------------------------- step
+
+    def step(self, arrivals: Sequence[Arrival] = ()) -> StepResult:
+        """Agree on this step's facts with every rank and admit rank 0's ``arrivals``.
+
+        Raises:
+            ValueError: ``arrivals`` on a rank other than 0, or a bad arrival (rank 0
+                raises before any collective, so the other ranks simply wait for its retry).
+            ConsensusError: a peer timed out or died.
+        """
+        if arrivals and self.consensus.rank != 0:
+            raise ValueError("only rank 0 admits requests; pass no arrivals on other ranks")
+        payload = encode_arrivals(arrivals, self.requests.known) if arrivals else b""
+        self.cache.poll()
+        facts = Header.local(
+            arrivals=len(arrivals),
+            payload_bytes=len(payload),
+            acks=self.acks.facts(),
+            failed=self._failed_since_step,
+            busy=self._busy(),
+            num_requests=len(self.requests),
+        )
+        facts += self.requests.facts()
+        self._step += 1
+        stats = self.stats_
+        stats.steps += 1
+        start = time.perf_counter()
+        # Round 1: does any rank contribute something new? When none does, every MIN of
+        # round 2 would equal the last agreement: an idle step is this one integer.
+        news = self.consensus.all_reduce_min([-int(facts != self._contributed)], self._step)
+        if not news[0]:
+            stats.consensus_s += time.perf_counter() - start
+            return StepResult(self._step, [], self.requests.runnable(), self._busy_agreed)
+        agreed = self.consensus.all_reduce_min(facts, self._step)
+        header = Header.decode(agreed, self._step)
+        new: list[Arrival] = []
+        if header.arrivals:
+            data = self.consensus.broadcast_bytes(payload, header.payload_bytes, self._step)
+            new = decode_arrivals(data)
+        stats.consensus_s += time.perf_counter() - start
+        stats.full_steps += 1
+        self._contributed = facts
+        if header.failed and not self._failed_since_step:
+            stats.peer_failures += 1
+        self._failed_since_step = False
+        self.acks.apply(*header.acks)
+        self.requests.apply(agreed[Header.SIZE :])
+        for arrival in new:
+            self.requests.admit(arrival)
+        self._busy_agreed = header.busy or bool(self.requests)
+        return StepResult(self._step, new, self.requests.runnable(), self._busy_agreed)
+
+    def note_failure(self) -> None:
+        """Record a local failure; the next step tells every rank one happened."""
+        self._failed_since_step = True
+
+    # ---------------------------------------------------------------- requests
+
+    def take(self, rid: str, max_pages: int | None = None) -> CacheHandle:
+        """Lock and start loading the agreed cached prefix of ``rid`` (at most
+        ``max_pages`` pages); the request leaves the step vector. Same order on every rank."""
+        return self.requests.take(rid, max_pages)
+
+    def cancel(self, rid: str) -> None:
+        """Drop an admitted request without running it. Same order on every rank."""
+        self.requests.cancel(rid)
+
+    def agreed_prefix_pages(self, rid: str) -> int:
+        """Pages of ``rid`` every rank holds in L1/L2 as of the last step (-1: not agreed yet)."""
+        return self.requests.agreed_ready(rid)
+
+    def reserve(self, handle: CacheHandle, num_tokens: int) -> list[int]:
+        return self.cache.reserve(handle, num_tokens)
+
+    def finish(self, handle: CacheHandle, tokens: TokenIds) -> int:
+        return self.cache.finish(handle, tokens)
+
+    def release(self, handle: CacheHandle) -> None:
+        self.cache.release(handle)
+
+    def wait_ready(self, handle: CacheHandle, timeout: float | None = None) -> None:
+        failures = self.cache.counters.load_failures
+        self.cache.wait_ready(handle, timeout)
+        if self.cache.counters.load_failures != failures:
+            self.note_failure()
+
+    # ------------------------------------------------------------- background
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait (locally, no collective) until this rank's background work is done:
+        host writes, storage queries and reads of admitted requests, backups."""
+        self.cache.flush()
+        self.requests.wait(timeout)
+        self.acks.wait_backups(timeout)
+
+    def _busy(self) -> bool:
+        return bool(self.cache._writes or self.cache.completed_writes or self.acks.pending_backups)
+
+    def stats(self) -> ControllerStats:
+        """A snapshot of every counter and gauge of this rank."""
+        s = msgspec.structs.replace(self.stats_, cache=self.cache.counters.snapshot())
+        s.unfulfilled_tokens = dict(self.stats_.unfulfilled_tokens)
+        dev, host = self.cache.device_pool.allocator, self.cache.host_pool.allocator
+        s.device_pages_used, s.device_pages_total = dev.num_used_pages, dev.num_pages
+        s.host_pages_used, s.host_pages_total = host.num_used_pages, host.num_pages
+        s.host_pages_prefetching = self.requests.prefetch_host_pages
+        s.running_prefetches = self.requests.num_fetching
+        s.pending_backups = self.acks.pending_backups
+        return s
+
+    def close(self) -> None:
+        """Stop every pipeline (prefetch, backup, transfers); safe to call twice."""
+        self.requests.cancel_all()
+        if self.prefetch is not None:
+            self.prefetch.close()
+        if self.backup is not None:
+            self.backup.close()
+        self.cache.close()
+        if self._owns_storage and self.storage is not None:
+            self.storage.close()
+
+    def check_integrity(self) -> None:
+        """Assert pool accounting across the tree, requests and prefetch slots."""
+        self.cache.tree.check_integrity()
+        self.cache.device_pool.check_integrity()
+        self.cache.host_pool.check_integrity()
+        dev = self.cache.device_pool.allocator
+        private = self.cache._num_private_pages
+        assert dev.num_used_pages == self.cache.tree.num_device_pages + private
+        host = self.cache.host_pool.allocator
+        held = self.requests.prefetch_host_pages
+        assert host.num_used_pages == self.cache.tree.num_host_pages + held, (
+            f"host pages: {host.num_used_pages} used, {self.cache.tree.num_host_pages} in tree, "
+            f"{held} held by prefetches"
+        )

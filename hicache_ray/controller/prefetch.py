@@ -1,0 +1,176 @@
+"""The prefetch pipeline (L3 -> L2): a query thread and a read thread.
+
+The scheduler thread creates one :class:`FetchTask` per admitted request that has enough
+tokens past its L2 hit. The :class:`QueryWorker` hashes the request's whole pages and asks
+storage how many *leading* pages past the local hit exist, in batches of
+``storage_batch_size`` pages, stopping at the first gap. Once the ranks have agreed on how
+many pages to fetch, the scheduler thread allocates host slots and hands the task to the
+:class:`ReadWorker`, which reads and verifies pages into those slots batch by batch,
+advancing ``pages_read`` (leading pages only) until done, cancelled or failed.
+
+Workers only read and write the task's own fields and its host slots; allocation, the
+tree and every collective stay on the scheduler thread. A task is ``settled`` once no
+worker will touch its slots again; slots freed before that wait behind it as a fence.
+:class:`PrefetchPipeline` starts both threads and stops them (``close``) in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from hicache_ray.keys import ShardPlan, page_hashes
+from hicache_ray.memory import HostPool
+from hicache_ray.storage import StorageBackend
+
+__all__ = ["FetchTask", "PrefetchPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class FetchTask:
+    """One request's L3 work on this rank; page numbers count from the prompt's start.
+
+    Set by the scheduler thread: ``host_pages`` for pages ``[read_start, read_end)``.
+    Set by the workers: ``hashes``, ``local_total`` (-1 until the query finished),
+    ``pages_read`` (leading pages valid in L2, from ``read_start``), ``read_done``,
+    ``failure`` (why reading stopped early).
+    """
+
+    def __init__(self, key: bytes, num_pages: int, start_page: int, salt: str) -> None:
+        self.key = key
+        self.num_pages = num_pages
+        self.start_page = start_page  # pages already in L1/L2 here at admission
+        self.salt = salt
+        self.hashes: list[str] = []
+        self.local_total = -1
+        self.host_pages: list[int] = []
+        self.read_start = self.read_end = start_page
+        self.pages_read = start_page
+        self.read_started = False
+        self.read_done = False
+        self.cancelled = False
+        self.failure: str | None = None
+        self.queried = threading.Event()
+        self.read_finished = threading.Event()
+
+    @property
+    def settled(self) -> bool:
+        """No worker will touch ``host_pages`` again."""
+        return not self.read_started or self.read_done
+
+
+class QueryWorker(threading.Thread):
+    """Hashes pages and counts leading stored pages past each task's local hit."""
+
+    def __init__(self, storage: StorageBackend, plan: ShardPlan, page_size: int, batch: int):
+        super().__init__(name="hicache-prefetch-query", daemon=True)
+        self.inbox: queue.SimpleQueue[FetchTask | None] = queue.SimpleQueue()
+        self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
+
+    def run(self) -> None:
+        while (task := self.inbox.get()) is not None:
+            try:
+                task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
+                task.local_total = task.start_page + self._leading(task)
+            except Exception as exc:  # a broken backend is a miss, never a failed request
+                log.warning("prefetch query failed: %s", exc)
+                task.failure = "query_failed"
+                task.local_total = task.start_page
+            finally:
+                task.queried.set()
+
+    def _leading(self, task: FetchTask) -> int:
+        found = 0
+        per_page = len(self._plan.objects)
+        for start in range(task.start_page, task.num_pages, self._batch):
+            if task.cancelled:
+                break
+            hashes = task.hashes[start : min(start + self._batch, task.num_pages)]
+            keys = [k for h in hashes for k in self._plan.keys(h)]
+            pages = self._storage.exists(keys) // per_page
+            found += pages
+            if pages < len(hashes):
+                break
+        return found
+
+
+class ReadWorker(threading.Thread):
+    """Reads and verifies pages into the host slots of each task, leading pages first."""
+
+    def __init__(self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch: int):
+        super().__init__(name="hicache-prefetch-read", daemon=True)
+        self.inbox: queue.SimpleQueue[FetchTask | None] = queue.SimpleQueue()
+        self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
+
+    def run(self) -> None:
+        while (task := self.inbox.get()) is not None:
+            try:
+                self._read(task)
+            except Exception as exc:
+                log.warning("prefetch read failed: %s", exc)
+                task.failure = "read_failed"
+            finally:
+                task.read_done = True
+                task.read_finished.set()
+
+    def _read(self, task: FetchTask) -> None:
+        objects = self._plan.objects
+        for start in range(task.read_start, task.read_end, self._batch):
+            if task.cancelled:
+                return
+            end = min(start + self._batch, task.read_end)
+            keys: list[str] = []
+            buffers: list[torch.Tensor] = []
+            staged: list[tuple[int, int, int, torch.Tensor]] = []  # (page, slot, object, buf)
+            for page_index in range(start, end):
+                slot = task.host_pages[page_index - task.read_start]
+                keys.extend(self._plan.keys(task.hashes[page_index]))
+                for i, obj in enumerate(objects):
+                    view = self._pool.object_view(slot, obj.local_layers, obj.local_heads)
+                    if view is None:
+                        view = torch.empty(obj.shape, dtype=self._pool.kv.dtype)
+                        staged.append((page_index, slot, i, view))
+                    buffers.append(view)
+            done = self._storage.get(keys, buffers) // len(objects)
+            for page_index, slot, i, buf in staged:
+                if page_index < start + done:
+                    obj = objects[i]
+                    self._pool.write_object(slot, buf, obj.local_layers, obj.local_heads)
+            task.pages_read = start + done
+            if start + done < end:
+                task.failure = "read_failed"
+                return
+
+
+class PrefetchPipeline:
+    """The query and read threads over one storage backend, started and stopped together."""
+
+    def __init__(
+        self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch_pages: int
+    ) -> None:
+        self.query = QueryWorker(storage, plan, host_pool.kv.page_size, batch_pages)
+        self.read = ReadWorker(storage, plan, host_pool, batch_pages)
+        self._closed = False
+        self.query.start()
+        self.read.start()
+
+    def submit_query(self, task: FetchTask) -> None:
+        self.query.inbox.put(task)
+
+    def submit_read(self, task: FetchTask) -> None:
+        task.read_started = True
+        self.read.inbox.put(task)
+
+    def close(self) -> None:
+        """Stop both threads after the work queued so far; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.query.inbox.put(None)
+        self.read.inbox.put(None)
+        self.query.join()
+        self.read.join()

@@ -1,0 +1,134 @@
+"""The per-step consensus protocol (design.md section 4): what the vector holds, in order.
+
+Every step, every rank makes exactly these collectives, whatever its local state:
+
+1. a MIN all-reduce of one integer: minus one when this rank's facts differ from what it
+   contributed at the last exchange (or rank 0 has arrivals), else 0;
+2. only when that agreed value says some rank has news: one element-wise MIN all-reduce
+   over ``Header.encode() + per-request facts``;
+3. only when the agreed number of new requests is non-zero, a broadcast from rank 0 of
+   their msgpack encoding (its byte length travels in the header).
+
+When no rank has news, every MIN of round 2 would equal the last agreement, so skipping it
+changes nothing: an idle step costs one small all-reduce. Each round depends only on the
+previous round's agreed values, never on a local one.
+
+Values only rank 0 knows, or where "any rank" matters, are negated so the MIN carries them:
+rank 0's arrival count and payload size, the failure and busy flags. The request part lists
+the admitted requests in admission order, four integers each (see
+:mod:`hicache_ray.controller.requests`); every rank derives that order from the same
+broadcasts, so the vectors line up. Counts of requests in flight travel both ways (n and
+-n) so a rank that diverged is caught by name instead of corrupting the agreement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from hicache_ray.controller.consensus import ConsensusError
+
+__all__ = ["Arrival", "Header", "decode_arrivals", "encode_arrivals"]
+
+MAX_TOKEN_ID = 2**32 - 1
+
+
+class Arrival(msgspec.Struct, frozen=True):
+    """A request as rank 0 admits it.
+
+    Attributes:
+        rid: unique id among requests in flight.
+        tokens: the prompt's token ids.
+        extra: opaque bytes for the runtime (sampling settings, ...), carried unchanged.
+    """
+
+    rid: str
+    tokens: list[int]
+    extra: bytes = b""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(list[Arrival])
+
+
+def encode_arrivals(arrivals: Sequence[Arrival], known: Container[str]) -> bytes:
+    """Check ``arrivals`` and encode them for the broadcast.
+
+    Raises:
+        ValueError: a duplicate or in-flight ``rid``, an empty prompt, or a token id
+            outside ``[0, 2**32)``; nothing is admitted.
+    """
+    seen: set[str] = set()
+    for a in arrivals:
+        if not isinstance(a, Arrival):
+            raise ValueError(f"arrivals must be Arrival structs, got {type(a).__name__}")
+        if a.rid in seen or a.rid in known:
+            raise ValueError(f"request id {a.rid!r} is already in flight; ids must be unique")
+        seen.add(a.rid)
+        if not a.tokens:
+            raise ValueError(f"request {a.rid!r} has no tokens")
+        if min(a.tokens) < 0 or max(a.tokens) > MAX_TOKEN_ID:
+            raise ValueError(f"request {a.rid!r} has a token id outside [0, 2**32)")
+    return _ENCODER.encode(list(arrivals))
+
+
+def decode_arrivals(data: bytes) -> list[Arrival]:
+    return _DECODER.decode(data)
+
+
+@dataclass(frozen=True)
+class Header:
+    """The fixed part of the step vector (one rank's view before the MIN, agreed after)."""
+
+    SIZE = 9
+
+    arrivals: int
+    payload_bytes: int
+    acks: list[int]  # completed writes, completed backups, first failed backup
+    failed: bool
+    busy: bool
+    num_requests: int
+
+    def encode(self) -> list[int]:
+        return Header.local(
+            self.arrivals, self.payload_bytes, self.acks, self.failed, self.busy, self.num_requests
+        )
+
+    @staticmethod
+    def local(
+        arrivals: int,
+        payload_bytes: int,
+        acks: list[int],
+        failed: bool,
+        busy: bool,
+        num_requests: int,
+    ) -> list[int]:
+        """One rank's header, encoded (what :meth:`encode` gives, without the object)."""
+        return [
+            -arrivals,
+            -payload_bytes,
+            *acks,
+            -int(failed),
+            -int(busy),
+            num_requests,
+            -num_requests,
+        ]
+
+    @classmethod
+    def decode(cls, agreed: Sequence[int], step: int) -> Header:
+        lowest, highest = agreed[7], -agreed[8]
+        if lowest != highest:
+            raise ConsensusError(
+                f"step {step}: ranks hold {lowest} to {highest} requests in flight; take() "
+                "and cancel() must be called for the same requests on every rank"
+            )
+        return cls(
+            arrivals=-agreed[0],
+            payload_bytes=-agreed[1],
+            acks=list(agreed[2:5]),
+            failed=agreed[5] < 0,
+            busy=agreed[6] < 0,
+            num_requests=lowest,
+        )

@@ -1,0 +1,67 @@
+"""The invariant check of :class:`~hicache_ray.tree.radix_tree.HiRadixTree` (tests, soak runs)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicache_ray.tree.node import TreeNode
+from hicache_ray.tree.tokens import TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from hicache_ray.tree.radix_tree import HiRadixTree
+
+__all__ = ["check_tree"]
+
+
+def check_tree(tree: HiRadixTree) -> None:
+    """Assert every invariant in the radix tree's module docstring and its page counters."""
+    page = tree.page_size * TOKEN_BYTES
+    device_total = host_total = count = 0
+    seen_device: set[int] = set()
+    seen_host: set[int] = set()
+    device_leaves: set[TreeNode] = set()
+    host_leaves: set[TreeNode] = set()
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        lock_sum = 0
+        device_children = 0
+        for first, child in node.children.items():
+            assert child.parent is node, f"{child}: wrong parent"
+            assert child.key[:page] == first, f"{child}: indexed under another page"
+            lock_sum += child.lock_ref
+            device_children += child.device_pages is not None
+            stack.append(child)
+        assert node is tree.root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
+        assert node.num_device_children == device_children, f"{node}: device child count"
+        if node is tree.root:
+            continue
+        count += 1
+        pages = len(node.key) // page
+        assert node.key and len(node.key) % page == 0, f"{node}: key not whole pages"
+        assert node.lock_ref >= 0, f"{node}: negative lock_ref"
+        assert node.children or not node.dead, f"{node}: dead leaf"
+        parent = node.parent
+        assert parent is not None
+        if node.device_pages is not None:
+            assert len(node.device_pages) == pages, f"{node}: device page count"
+            assert parent is tree.root or parent.device_pages is not None, (
+                f"{node}: on device under an evicted parent"
+            )
+            assert seen_device.isdisjoint(node.device_pages), f"{node}: device page reused"
+            seen_device.update(node.device_pages)
+            device_total += pages
+            if not device_children:
+                device_leaves.add(node)
+        elif not node.children:
+            host_leaves.add(node)
+        if node.host_pages is not None:
+            assert len(node.host_pages) == pages, f"{node}: host page count"
+            assert seen_host.isdisjoint(node.host_pages), f"{node}: host page reused"
+            seen_host.update(node.host_pages)
+            host_total += pages
+    assert count == tree.num_nodes, "node count"
+    assert device_total == tree.num_device_pages, "device page counter"
+    assert host_total == tree.num_host_pages, "host page counter"
+    assert device_leaves == tree._device_leaves, "device leaf set"
+    assert host_leaves == tree._host_leaves, "host leaf set"

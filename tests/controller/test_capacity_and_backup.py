@@ -1,0 +1,149 @@
+"""Backup ordering and failures, host capacity, the prefetch quota, refills, cancellation."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from hicache_ray.config import Fault
+from hicache_ray.controller import Arrival
+from hicache_ray.keys import page_hashes, plan_shard
+from hicache_ray.storage import MemoryObjects
+from tests.conftest import make_kv
+from tests.controller.helpers import (
+    PAGE,
+    controller_config,
+    drain,
+    make_controller,
+    prompt,
+    run_request,
+)
+from tests.controller.test_pipelines import stored
+
+KV = make_kv(page_size=PAGE)
+
+
+def stored_pages(objects: MemoryObjects, tokens: list[int]) -> list[bool]:
+    plan = plan_shard(KV, controller_config())
+    return [
+        all(objects.size(k) is not None for k in plan.keys(h)) for h in page_hashes(tokens, PAGE)
+    ]
+
+
+def test_failed_backup_stops_at_the_first_failure_and_leaves_no_holes() -> None:
+    objects = MemoryObjects()
+    fail = Fault(op="write", kind="fail", skip=4, limit=1)
+    ctl = make_controller(controller_config(), KV, objects, faults=(fail,))
+    tokens = prompt(1, 40)
+    run_request(ctl, "a", tokens)
+    drain(ctl)
+    longer = tokens + prompt(2, 16)
+    run_request(ctl, "b", longer)  # a child of the node whose backup failed
+    drain(ctl)
+    stats = ctl.stats()
+    assert stats.backup_failures == 1 and stats.backup_skipped_gap == 1
+    assert stats.backed_up_pages == 0
+    assert stored_pages(objects, longer) == [True] * 4 + [False] * 10  # a prefix, no holes
+    ctl.check_integrity()
+    ctl.close()
+
+
+def test_backups_skip_pages_already_stored() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(3, 24)
+    stored(objects, tokens)
+    # Below the prefetch threshold: this rank computes the prompt itself, then backs it up.
+    ctl = make_controller(controller_config(threshold_tokens=1000), KV, objects)
+    cached, _ = run_request(ctl, "a", tokens)
+    assert cached == 0
+    drain(ctl)
+    assert ctl.storage is not None and ctl.storage.stats().put_pages == 0
+    assert ctl.stats().backed_up_pages == 6
+    ctl.close()
+
+
+def test_write_back_backs_up_evicted_pages() -> None:
+    objects = MemoryObjects()
+    config = controller_config(write_policy="write_back", device_tokens=48)  # 12 pages
+    ctl = make_controller(config, KV, objects)
+    first = prompt(4, 40)
+    run_request(ctl, "a", first)
+    run_request(ctl, "b", prompt(5, 40))  # evicts (writes back) the first prompt
+    drain(ctl)
+    assert stored_pages(objects, first) == [True] * 10
+    ctl.close()
+    reader = make_controller(controller_config(), KV, objects)
+    cached, _ = run_request(reader, "r", first)
+    assert cached == 10
+    reader.close()
+
+
+def test_prefetch_quota_and_host_capacity_count_the_shortfall() -> None:
+    objects = MemoryObjects()
+    x, y = prompt(6, 80), prompt(7, 80)  # 20 pages each
+    stored(objects, x, device_tokens=128)
+    stored(objects, y, device_tokens=128)
+    # Device 16 pages, host 32 pages: x takes 20 host slots, y finds only 12.
+    ctl = make_controller(controller_config(device_tokens=64, max_host_fraction=1.0), KV, objects)
+    ctl.step([Arrival("x", x), Arrival("y", y)])
+    ctl.settle(timeout=30)
+    ctl.step()  # agrees both stored lengths; reads start
+    stats = ctl.stats()
+    assert stats.unfulfilled_tokens["host_capacity"] == 8 * PAGE
+    assert stats.host_pages_prefetching == 32 and stats.running_prefetches == 2
+    ctl.check_integrity()
+    ctl.cancel("x")
+    ctl.cancel("y")
+    ctl.settle(timeout=30)
+    ctl.check_integrity()
+    assert ctl.stats().host_pages_used == 0
+    ctl.close()
+    quota = make_controller(
+        controller_config(device_tokens=64, max_host_fraction=0.25), KV, objects
+    )
+    quota.step([Arrival("x", x)])
+    quota.settle(timeout=30)
+    quota.step()
+    assert quota.stats().unfulfilled_tokens["prefetch_quota"] == 12 * PAGE  # 8 of 20 allowed
+    quota.close()
+
+
+def test_refill_under_an_unbacked_node_is_used_but_not_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    objects = MemoryObjects()
+    tokens = prompt(8, 40)
+    stored(objects, tokens)
+    # The 8-token head stays below the threshold (computed here); the full prompt does not.
+    ctl = make_controller(controller_config(threshold_tokens=16), KV, objects)
+    with monkeypatch.context() as m:
+        m.setattr(ctl.cache, "_write", lambda nodes: None)  # host writes skipped
+        run_request(ctl, "head", tokens[:8])  # 2 pages on the device, no host copy
+    cached, _ = run_request(ctl, "r", tokens)  # pages 2-9 from storage: a refill
+    assert cached == 10 and ctl.stats().refills_dropped == 1
+    drain(ctl)
+    ctl.check_integrity()
+    ctl.close()
+
+
+def test_protocol_misuse_is_refused_clearly() -> None:
+    ctl = make_controller(controller_config(), KV, MemoryObjects())
+    with pytest.raises(ValueError, match="no tokens"):
+        ctl.step([Arrival("a", [])])
+    with pytest.raises(ValueError, match="outside"):
+        ctl.step([Arrival("a", [-1, 2])])
+    ctl.step([Arrival("a", [1, 2, 3, 4, 5])])
+    with pytest.raises(ValueError, match="already in flight"):
+        ctl.step([Arrival("a", [1])])
+    with pytest.raises(Exception, match="no agreed prefix"):
+        ctl.take("a")
+    ctl.step()
+    with pytest.raises(Exception, match="not admitted"):
+        ctl.take("nope")
+    handle = ctl.take("a")
+    ctl.release(handle)
+    ctl.check_integrity()
+    snapshot = msgspec.json.decode(msgspec.json.encode(ctl.stats()))
+    assert snapshot["requests"] == 1 and "unfulfilled_tokens" in snapshot
+    ctl.close()
+    ctl.close()

@@ -1,0 +1,146 @@
+"""Single-rank pipelines and policies over the memory backend, with injected faults."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache_ray.config import Fault
+from hicache_ray.controller import Arrival
+from hicache_ray.storage import MemoryObjects
+from tests.conftest import make_kv
+from tests.controller.helpers import (
+    PAGE,
+    check_pages,
+    controller_config,
+    drain,
+    make_controller,
+    prompt,
+    run_request,
+)
+
+KV = make_kv(page_size=PAGE)
+
+
+def stored(objects: MemoryObjects, tokens: list[int], **config: object) -> None:
+    """Run ``tokens`` through a writer rank and back its pages up into ``objects``."""
+    writer = make_controller(controller_config(**config), KV, objects)  # type: ignore[arg-type]
+    run_request(writer, "writer", tokens)
+    drain(writer)
+    writer.check_integrity()
+    writer.close()
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_pages_come_back_from_l3_exactly(policy: str) -> None:
+    objects = MemoryObjects()
+    tokens = prompt(1, 40)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(prefetch_policy=policy), KV, objects)
+    cached, _ = run_request(reader, "r", [*tokens, 1, 2, 3])
+    stats = reader.stats()
+    assert cached == 10 and stats.storage_hit_tokens == 40 and stats.prefetched_pages == 10
+    assert stats.cache.host_hit_tokens == 40  # the refill entered L2, then loaded to L1
+    # A continuation is backed up under the refilled prefix (which storage already holds).
+    run_request(reader, "next", tokens + prompt(9, 8))
+    drain(reader)
+    reader.check_integrity()
+    assert reader.stats().backed_up_pages == 2 and reader.stats().backup_skipped_gap == 0
+    reader.close()
+
+
+def test_best_effort_runs_at_once_and_counts_what_it_gave_up() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(2, 40)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(prefetch_policy="best_effort"), KV, objects)
+    cached, _ = run_request(reader, "r", tokens)
+    stats = reader.stats()
+    assert cached == 0 and stats.unfulfilled_tokens["terminated"] == 40
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
+
+
+def test_l1_and_l2_hits_need_no_storage() -> None:
+    ctl = make_controller(controller_config(), KV, MemoryObjects())
+    tokens = prompt(3, 24)
+    run_request(ctl, "a", tokens)
+    cached, _ = run_request(ctl, "b", [*tokens, 9])
+    assert cached == 6 and ctl.stats().cache.device_hit_tokens == 24
+    drain(ctl)
+    ctl.check_integrity()
+    ctl.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        (Fault(op="read", kind="fail", skip=3), 3),
+        (Fault(op="read", kind="corrupt", skip=5, limit=1), 5),
+        (Fault(op="size", kind="fail", skip=2), 2),
+    ],
+    ids=["failed-read", "corrupt-page", "failed-query"],
+)
+def test_storage_faults_shorten_the_prefix_never_the_kv(fault: Fault, expected: int) -> None:
+    objects = MemoryObjects()
+    tokens = prompt(4, 40)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(), KV, objects, faults=(fault,))
+    cached, _ = run_request(reader, "r", tokens)  # checks the KV of every cached page
+    assert cached == expected
+    stats = reader.stats()
+    if fault.op == "read":
+        assert stats.unfulfilled_tokens["read_failed"] == (10 - expected) * PAGE
+    if fault.kind == "corrupt":
+        assert reader.storage is not None and reader.storage.stats().corrupt_pages == 1
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_timeout_policy_terminates_slow_reads_and_keeps_what_finished() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(5, 40)
+    stored(objects, tokens)
+    clock = FakeClock()
+    slow = Fault(op="read", kind="delay", delay_s=0.05)
+    reader = make_controller(
+        controller_config(prefetch_policy="timeout"), KV, objects, faults=(slow,), clock=clock
+    )
+    reader.step([Arrival("r", tokens)])
+    task = reader.requests.known["r"].task
+    assert task is not None and task.queried.wait(30)  # the query is quick, the reads slow
+    result = reader.step()  # agrees the stored length: the reads start
+    assert task.read_started and "r" not in result.runnable  # before the deadline
+    clock.now = 10.0
+    result = reader.step()
+    assert result.runnable == ["r"]
+    handle = reader.take("r")
+    reader.wait_ready(handle, timeout=30)
+    cached = handle.num_cached_tokens // PAGE
+    assert cached < 10
+    check_pages(reader, handle, tokens, cached)
+    assert reader.stats().unfulfilled_tokens["terminated"] == (10 - cached) * PAGE
+    reader.release(handle)
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
+
+
+def test_wait_complete_waits_for_slow_reads() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(6, 24)
+    stored(objects, tokens)
+    slow = Fault(op="read", kind="delay", delay_s=0.01)
+    reader = make_controller(controller_config(), KV, objects, faults=(slow,))
+    cached, _ = run_request(reader, "r", tokens)
+    assert cached == 6
+    reader.close()
