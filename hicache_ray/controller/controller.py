@@ -150,7 +150,8 @@ class CacheController:
         start = time.perf_counter()
         # Round 1: does any rank contribute something new? When none does, every MIN of
         # round 2 would equal the last agreement: an idle step is this one integer.
-        news = self.consensus.all_reduce_min([-int(facts != self._contributed)], self._step)
+        changed = bool(arrivals) or facts != self._contributed
+        news = self.consensus.all_reduce_min([-int(changed)], self._step)
         if not news[0]:
             stats.consensus_s += time.perf_counter() - start
             return StepResult(self._step, [], self.requests.runnable(), self._busy_agreed)

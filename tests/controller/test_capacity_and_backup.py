@@ -147,3 +147,14 @@ def test_protocol_misuse_is_refused_clearly() -> None:
     assert snapshot["requests"] == 1 and "unfulfilled_tokens" in snapshot
     ctl.close()
     ctl.close()
+
+
+def test_an_arrival_identical_to_the_last_exchange_is_still_admitted() -> None:
+    # Found by the state machine: after a cancel, a second arrival of the same size left the
+    # step vector unchanged, and the idle path skipped the exchange that admits it.
+    ctl = make_controller(controller_config(), KV, MemoryObjects())
+    ctl.step([Arrival("q0", [7])])
+    ctl.cancel("q0")
+    result = ctl.step([Arrival("q1", [7])])
+    assert [a.rid for a in result.arrivals] == ["q1"] and list(ctl.requests.known) == ["q1"]
+    ctl.close()
