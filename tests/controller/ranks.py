@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from hicache_ray.config import Fault
-from hicache_ray.controller import ConsensusError, GlooConsensus, start_rendezvous
+from hicache_ray.controller import (
+    CacheController,
+    ConsensusError,
+    GlooConsensus,
+    StepResult,
+    start_rendezvous,
+)
 from hicache_ray.keys import page_hashes, plan_shard
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
@@ -74,7 +80,22 @@ def connect(rank: int, world: int, ports: Any) -> GlooConsensus:
     return GlooConsensus(rank, world, "127.0.0.1", port, timeout_s=GLOO_TIMEOUT_S)
 
 
-def run_scenario(rank: int, world: int, consensus: GlooConsensus, name: str) -> int:
+def record_agreements(ctl: CacheController, history: list[Any]) -> None:
+    """Log what every step agreed (step, arrivals, runnable, each request's agreed facts)."""
+    step = ctl.step
+
+    def logged(arrivals: Any = ()) -> StepResult:
+        result = step(arrivals)
+        agreed = [(rid, r.agreed) for rid, r in ctl.requests.known.items()]
+        history.append((result.step, [a.rid for a in result.arrivals], result.runnable, agreed))
+        return result
+
+    ctl.step = logged  # type: ignore[method-assign]
+
+
+def run_scenario(
+    rank: int, world: int, consensus: GlooConsensus, name: str
+) -> tuple[int, list[Any]]:
     spec = SCENARIOS[name]
     odd = rank == ODD_RANK
     kv = make_kv(page_size=PAGE, num_kv_heads=4, tp_rank=rank, tp_size=world)
@@ -91,6 +112,8 @@ def run_scenario(rank: int, world: int, consensus: GlooConsensus, name: str) -> 
         faults=spec.get("write_faults", ()) if odd else (),
         consensus=consensus,
     )
+    history: list[Any] = []
+    record_agreements(writer, history)
     run_request(writer, "w", tokens)
     drain(writer)
     writer.check_integrity()
@@ -107,11 +130,12 @@ def run_scenario(rank: int, world: int, consensus: GlooConsensus, name: str) -> 
         faults=spec.get("read_faults", ()) if odd else (),
         consensus=consensus,
     )
+    record_agreements(reader, history)
     cached, _ = run_request(reader, "r", [*tokens, 1, 2, 3], settle=spec.get("settle", True))
     drain(reader)
     reader.check_integrity()
     reader.close()
-    return cached
+    return cached, history
 
 
 def rank_main(rank: int, world: int, ports: Any, out: Any, scenarios: list[str]) -> None:

@@ -58,10 +58,13 @@ def test_ranks_with_different_storage_agree_and_read_correct_kv(world: int) -> N
     for name, rank, value in results:
         by_name.setdefault(name, {})[rank] = value
     for name in names:
-        values = by_name[name]
-        errors = {r: v for r, v in values.items() if not isinstance(v, int)}
+        outcomes = by_name[name]
+        errors = {r: v for r, v in outcomes.items() if not isinstance(v, tuple)}
         assert not errors, f"{name}: {errors}"
+        values = {r: cached for r, (cached, _) in outcomes.items()}
         assert len(set(values.values())) == 1, f"{name}: ranks disagree: {values}"
+        histories = [history for _, history in outcomes.values()]
+        assert all(h == histories[0] for h in histories), f"{name}: a step agreed differently"
         cached = values[0]
         if name in ranks.EXPECTED:
             assert cached == ranks.EXPECTED[name], f"{name}: {values}"
