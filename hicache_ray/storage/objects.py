@@ -26,18 +26,26 @@ __all__ = ["MemoryObjects", "ObjectStore", "split_object"]
 
 
 class ObjectStore(ABC):
-    """A keyed store of framed page objects."""
+    """A keyed store of framed page objects.
+
+    ``parallel_reads``: whether a batch reads several objects at once (on reader threads);
+    false where reads are memory copies that one thread already saturates.
+    """
+
+    parallel_reads = True
 
     @abstractmethod
     def write(self, key: str, header: bytes, payload: memoryview) -> None:
         """Store ``header + payload`` under ``key`` atomically; raises ``OSError`` on failure."""
 
     @abstractmethod
-    def read(self, key: str, out: memoryview) -> tuple[bytes, str] | None:
+    def read(self, key: str, out: memoryview) -> tuple[bytes, str | None] | None:
         """Read the object of ``key``: its payload into ``out``.
 
         Returns the header bytes and the checksum of the payload as read (hashed on the
-        way in, see :mod:`page_format`), or None when the key is absent. Raises
+        way in, see :mod:`page_format`) or None for "not hashed: hash ``out``" (the caller
+        then hashes it, possibly while the next read runs), or None when the key is
+        absent. Raises
         :class:`CorruptPage` when the frame is malformed or the payload is not exactly
         ``len(out)`` bytes; ``OSError`` on I/O errors.
         """
@@ -70,6 +78,8 @@ def split_object(data: bytes | memoryview, out: memoryview) -> tuple[bytes, str]
 
 class MemoryObjects(ObjectStore):
     """Objects in a dict of this process (tests, single-process runs)."""
+
+    parallel_reads = False  # a copy: a second thread only adds overhead
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

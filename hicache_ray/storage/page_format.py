@@ -21,7 +21,6 @@ each chunk is still in cache: hashing after the whole read costs a second pass o
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 
 import msgspec
 import torch
@@ -41,7 +40,6 @@ __all__ = [
     "encode_header",
     "header_length",
     "payload_view",
-    "read_hashed",
     "verify",
 ]
 
@@ -76,23 +74,6 @@ CHUNK_BYTES = 256 * 1024
 
 def checksum(payload: memoryview | bytes) -> str:
     return xxhash.xxh3_128_hexdigest(payload)
-
-
-def read_hashed(readinto: Callable[[memoryview], int], out: memoryview) -> tuple[str, int]:
-    """Fill ``out`` through ``readinto`` chunk by chunk, hashing each chunk while hot.
-
-    Returns the checksum of what was read and the bytes read (short at end of data).
-    """
-    h = xxhash.xxh3_128()
-    done = 0
-    while done < out.nbytes:
-        chunk = out[done : done + CHUNK_BYTES]
-        got = readinto(chunk)
-        if got <= 0:
-            break
-        h.update(chunk[:got])
-        done += got
-    return h.hexdigest(), done
 
 
 def copy_hashed(src: memoryview, out: memoryview) -> str:
@@ -155,8 +136,8 @@ def verify(
         raise CorruptPage(
             f"holds {header.dtype}{list(header.shape)}, expected {dtype}{list(out.shape)}"
         )
-    payload = payload_view(out)
-    if header.payload_bytes != payload.nbytes:
-        raise CorruptPage(f"payload of {header.payload_bytes} bytes, expected {payload.nbytes}")
+    nbytes = out.numel() * out.element_size()
+    if header.payload_bytes != nbytes:
+        raise CorruptPage(f"payload of {header.payload_bytes} bytes, expected {nbytes}")
     if digest != header.checksum:
         raise CorruptPage("payload checksum mismatch")

@@ -1,11 +1,13 @@
 """A storage backend over an object store: verification, byte budget, metadata cache.
 
-Threading: every public method may run on any thread; one helper thread (``_hasher``,
-started here and stopped in :meth:`PagedBackend.close`) makes page headers ahead of the
-writes. ``_lock`` guards the metadata
-(``_meta``, ``_used_bytes``) and the counters; object I/O runs outside it, so pipelines on
-several threads read and write in parallel. Eviction picks victims under the lock (they
-leave the metadata at once) and deletes them outside it.
+Threading: every public method may run on any thread. Helper threads, started here and
+stopped in :meth:`PagedBackend.close`: ``_hasher`` makes page headers ahead of the writes;
+``_readers`` (``READ_AHEAD`` threads) read and hash objects ahead of the caller, who
+verifies and counts them in key order (stores whose reads are plain memory copies read on
+the caller's thread). ``_lock`` guards the metadata (``_meta``, ``_used_bytes``) and the
+counters; object I/O runs outside it, so pipelines on several threads read and write in
+parallel. Eviction picks victims under the lock (they leave the metadata at once) and
+deletes them outside it.
 
 Byte budget: a put reserves its bytes first, evicting least recently used pages until the
 reservation fits; a failed write gives the reservation back. Metadata cache: a page known
@@ -18,20 +20,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage.base import StorageBackend, StorageStats
 from hicache_ray.storage.objects import ObjectStore
-from hicache_ray.storage.page_format import CorruptPage, encode_header, payload_view, verify
+from hicache_ray.storage.page_format import (
+    CorruptPage,
+    checksum,
+    encode_header,
+    payload_view,
+    verify,
+)
 
 __all__ = ["PagedBackend"]
 
 log = logging.getLogger(__name__)
+
+READ_AHEAD = 2  # objects read at once by one get (reader threads)
+_ReadOutcome = tuple[bytes, str] | Exception | None  # header and checksum; error; absent
 
 
 class _Entry:
@@ -71,6 +82,7 @@ class PagedBackend(StorageBackend):
         )
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"hicache-{name}-hash")
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix=f"hicache-{name}-read")
         if scan_on_start:
             self._scan()
 
@@ -99,28 +111,74 @@ class PagedBackend(StorageBackend):
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-            out = payload_view(buf)
-            try:
-                found = self.objects.read(key, out)
-                if found is not None:
-                    verify(found[0], key, self._digest, buf, found[1])
-            except CorruptPage as exc:
-                self._drop_corrupt(key, exc)
-                return i
-            except Exception as exc:
-                log.warning("storage %s: reading %s failed: %s", self.name, key, exc)
-                self._count("get_failures")
-                return i
-            with self._lock:
-                if found is None:
-                    self._forget(key)
+        # NOTE: READ_AHEAD objects are read (and hashed) at once on the reader threads;
+        # this thread verifies and counts them in order, so the batch still stops at the
+        # first page that fails, and returns only once no reader touches its buffers.
+        if not self.objects.parallel_reads:
+            for i, job in enumerate(zip(keys, buffers, strict=True)):
+                if not self._accept(*job, self._read_one(*job)):
                     return i
-                if key in self._meta:
-                    self._meta.move_to_end(key)
-                self._counts["get_pages"] += 1
-                self._counts["get_bytes"] += out.nbytes
-        return len(keys)
+            return len(keys)
+        jobs = iter(zip(keys, buffers, strict=True))
+        running: deque[Future[_ReadOutcome]] = deque()
+
+        def submit_next() -> None:
+            job = next(jobs, None)
+            if job is not None:
+                running.append(self._readers.submit(self._read_one, *job))
+
+        try:
+            for _ in range(READ_AHEAD):
+                submit_next()
+            i = 0
+            while running:
+                outcome = running.popleft().result()
+                if not self._accept(keys[i], buffers[i], outcome):
+                    return i
+                i += 1
+                submit_next()
+            return len(keys)
+        finally:
+            for read in running:
+                if not read.cancel():
+                    read.exception()  # wait: the reader may still be writing its buffer
+
+    def _read_one(self, key: str, buf: torch.Tensor) -> _ReadOutcome:
+        """On a reader thread: read one object into ``buf`` and hash its payload."""
+        out = payload_view(buf)
+        try:
+            found = self.objects.read(key, out)
+        except Exception as exc:  # CorruptPage, or an I/O error
+            return exc
+        if found is None:
+            return None
+        header, digest = found
+        return header, digest if digest is not None else checksum(out)
+
+    def _accept(self, key: str, buf: torch.Tensor, outcome: _ReadOutcome) -> bool:
+        """Verify a read page and count it; else handle the miss, failure or corruption."""
+        if outcome is None:
+            with self._lock:
+                self._forget(key)
+            return False
+        if isinstance(outcome, Exception):
+            if isinstance(outcome, CorruptPage):
+                self._drop_corrupt(key, outcome)
+            else:
+                log.warning("storage %s: reading %s failed: %s", self.name, key, outcome)
+                self._count("get_failures")
+            return False
+        try:
+            verify(outcome[0], key, self._digest, buf, outcome[1])
+        except CorruptPage as exc:
+            self._drop_corrupt(key, exc)
+            return False
+        with self._lock:
+            if key in self._meta:
+                self._meta.move_to_end(key)
+            self._counts["get_pages"] += 1
+            self._counts["get_bytes"] += buf.numel() * buf.element_size()
+        return True
 
     def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
         if len(keys) != len(pages):
@@ -197,6 +255,7 @@ class PagedBackend(StorageBackend):
         if not self._closed:
             self._closed = True
             self._hasher.shutdown(wait=True, cancel_futures=True)
+            self._readers.shutdown(wait=True, cancel_futures=True)
             self.objects.close()
 
     def check_integrity(self) -> None:
