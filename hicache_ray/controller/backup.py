@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from hicache_ray.controller.prefetch import STAGED_BATCH_PAGES
 from hicache_ray.keys import ShardPlan
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
@@ -86,8 +87,14 @@ class BackupWorker(threading.Thread):
         present = self._storage.exists(keys) // per_page
         task.skipped_pages = task.stored_pages = present
         writers = [i for i, obj in enumerate(plan.objects) if obj.writer]
-        for start in range(present, len(task.hashes), self._batch):
-            end = min(start + self._batch, len(task.hashes))
+        batch = self._batch
+        if task.host_pages and any(
+            self._pool.object_view(task.host_pages[0], o.local_layers, o.local_heads) is None
+            for o in plan.objects
+        ):
+            batch = min(batch, STAGED_BATCH_PAGES)  # objects are copied out: keep it small
+        for start in range(present, len(task.hashes), batch):
+            end = min(start + batch, len(task.hashes))
             batch_keys: list[str] = []
             pages: list[torch.Tensor] = []
             for index in range(start, end):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -29,6 +30,8 @@ from hicache_ray.storage import StorageBackend
 __all__ = ["FetchTask", "PrefetchPipeline"]
 
 log = logging.getLogger(__name__)
+
+STAGED_BATCH_PAGES = 8  # pages per read when objects go through staging buffers
 
 
 class FetchTask:
@@ -105,6 +108,7 @@ class ReadWorker(threading.Thread):
         super().__init__(name="hicache-prefetch-read", daemon=True)
         self.inbox: queue.SimpleQueue[FetchTask | None] = queue.SimpleQueue()
         self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
+        self._staging: list[torch.Tensor] = []  # for objects not contiguous in the pool
 
     def run(self) -> None:
         while (task := self.inbox.get()) is not None:
@@ -117,22 +121,39 @@ class ReadWorker(threading.Thread):
                 task.read_done = True
                 task.read_finished.set()
 
+    def _stage(self, spare: Iterator[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """A staging buffer of ``shape``: reused across batches (fresh large buffers cost a
+        page fault per 4 KiB, several times the copy itself)."""
+        for buf in spare:
+            if tuple(buf.shape) == shape:
+                return buf
+        buf = torch.empty(shape, dtype=self._pool.kv.dtype)
+        self._staging.append(buf)
+        return buf
+
     def _read(self, task: FetchTask) -> None:
         objects = self._plan.objects
-        for start in range(task.read_start, task.read_end, self._batch):
+        batch = self._batch
+        if task.host_pages and any(
+            self._pool.object_view(task.host_pages[0], o.local_layers, o.local_heads) is None
+            for o in objects
+        ):
+            batch = min(batch, STAGED_BATCH_PAGES)  # staging memory stays small and warm
+        for start in range(task.read_start, task.read_end, batch):
             if task.cancelled:
                 return
-            end = min(start + self._batch, task.read_end)
+            end = min(start + batch, task.read_end)
             keys: list[str] = []
             buffers: list[torch.Tensor] = []
             staged: list[tuple[int, int, int, torch.Tensor]] = []  # (page, slot, object, buf)
+            spare = iter(self._staging)
             for page_index in range(start, end):
                 slot = task.host_pages[page_index - task.read_start]
                 keys.extend(self._plan.keys(task.hashes[page_index]))
                 for i, obj in enumerate(objects):
                     view = self._pool.object_view(slot, obj.local_layers, obj.local_heads)
                     if view is None:
-                        view = torch.empty(obj.shape, dtype=self._pool.kv.dtype)
+                        view = self._stage(spare, obj.shape)
                         staged.append((page_index, slot, i, view))
                     buffers.append(view)
             done = self._storage.get(keys, buffers) // len(objects)

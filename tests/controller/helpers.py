@@ -41,10 +41,16 @@ def controller_config(
     faults: tuple[Fault, ...] = (),
     batch_size_pages: int = 4,
     head_group: int = 0,
+    mem_layout: str = "page_first",
 ) -> CacheConfig:
     return CacheConfig(
         memory=MemoryConfig(
-            page_size=PAGE, device_tokens=device_tokens, hicache_ratio=hicache_ratio
+            page_size=PAGE,
+            device_tokens=device_tokens,
+            hicache_ratio=hicache_ratio,
+            mem_layout=mem_layout,  # type: ignore[arg-type]
+            io_backend="direct" if mem_layout == "page_first_direct" else "kernel",
+            layer_granule=2 if mem_layout == "page_first_direct" else 0,
         ),
         write=WriteConfig(policy=write_policy),  # type: ignore[arg-type]
         prefetch=PrefetchConfig(
