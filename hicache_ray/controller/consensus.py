@@ -146,19 +146,19 @@ class GlooConsensus(Consensus):
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         self._rendezvous = rendezvous
-        store = (
-            rendezvous.store
-            if rendezvous is not None
-            else TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-        )
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         try:
+            store = (
+                rendezvous.store
+                if rendezvous is not None
+                else TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+            )
             self._group: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
                 PrefixStore(f"hicache/{name}", store), rank, world_size, options
             )
-        except RuntimeError as exc:
+        except (RuntimeError, dist.DistError) as exc:
             raise ConsensusError(
                 f"group {name!r}: rank {rank} of {world_size} could not join via {host}:{port} "
                 f"within {timeout_s}s: {exc}"

@@ -168,3 +168,34 @@ def dying_rank_main(rank: int, world: int, ports: Any, out: Any, die_at: int) ->
         out.put((rank, time.monotonic() - start, str(exc)))
     except queue.Empty:  # pragma: no cover - reported by the deadline instead
         pass
+
+
+def stalled_rank_main(
+    rank: int, world: int, ports: Any, out: Any, release: Any, stall_at: int, timeout_s: float
+) -> None:
+    """Rank 1 stops stepping at ``stall_at`` until ``release`` is set; the others must time
+    out with the step and the group named."""
+    torch.set_num_threads(1)
+    if rank == 0:
+        rendezvous = start_rendezvous(world, timeout_s=60)
+        for _ in range(world - 1):
+            ports.put(rendezvous.port)
+        consensus = GlooConsensus(
+            0, world, "127.0.0.1", rendezvous.port, timeout_s=timeout_s, rendezvous=rendezvous
+        )
+    else:
+        consensus = GlooConsensus(
+            rank, world, "127.0.0.1", ports.get(timeout=60), timeout_s=timeout_s
+        )
+    kv = make_kv(page_size=PAGE, num_kv_heads=world, tp_rank=rank, tp_size=world)
+    ctl = make_controller(controller_config(head_group=1), kv, MemoryObjects(), consensus=consensus)
+    start = 0.0
+    try:
+        for step in range(1, 1_000_000):
+            if step == stall_at:
+                if rank == 1:
+                    release.wait(120)  # stalled (a hung forward pass, a paused process)
+                start = time.monotonic()
+            ctl.step()
+    except ConsensusError as exc:
+        out.put((rank, time.monotonic() - start, str(exc)))

@@ -80,3 +80,30 @@ def test_a_dead_rank_fails_the_others_fast_with_a_clear_error() -> None:
     for _, elapsed, message in results:
         assert elapsed < 30, message
         assert "step 20" in message and "group 'hicache'" in message
+
+
+def test_a_stalled_rank_times_the_others_out_with_the_step_named() -> None:
+    ctx = mp.get_context("spawn")
+    release = ctx.Event()
+    procs, out, ports = spawn(2, ranks.stalled_rank_main, release, 10, 3.0)
+    try:
+        first = collect_one(procs, out)
+    finally:
+        release.set()
+    results = [first, *collect(procs, out, ports, 1)]
+    by_rank = {rank: (elapsed, message) for rank, elapsed, message in results}
+    elapsed, message = by_rank[0]
+    assert 2.0 < elapsed < 30, message
+    assert "step 10" in message and "timeout 3.0s" in message and "'hicache'" in message
+    assert "re-form the deployment" in message
+
+
+def collect_one(procs: list[Any], out: Any) -> Any:
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1.0)
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                pytest.fail("every rank exited without a result")
+    pytest.fail("no rank reported the stall before the deadline")
