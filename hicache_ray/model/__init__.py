@@ -1,0 +1,15 @@
+"""The reference model: a small Llama-style decoder that reads and writes KV in the pools."""
+
+from hicache_ray.model.attention import paged_attention, position_slots
+from hicache_ray.model.config import PRESETS, ModelConfig, preset
+from hicache_ray.model.transformer import ReferenceModel, TPGroup
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "ReferenceModel",
+    "TPGroup",
+    "paged_attention",
+    "position_slots",
+    "preset",
+]
