@@ -54,6 +54,7 @@ class CacheHandle:
     loads: list[Transfer] = field(default_factory=list)
     loaded_nodes: list[TreeNode] = field(default_factory=list)
     extra_pages: list[int] = field(default_factory=list)  # loaded from outside the tree
+    storage_hit_tokens: int = 0  # of the cached prefix, read from L3 for this request
     num_reserved_pages: int = 0
     num_tokens: int = 0  # tokens with a device slot: cached plus reserved
     finished: bool = False

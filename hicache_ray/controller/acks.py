@@ -15,9 +15,10 @@ from hicache_ray.keys import page_hashes
 from hicache_ray.stats import ControllerStats
 from hicache_ray.tree import TreeNode
 
-__all__ = ["NO_FAILURE", "Acknowledger"]
+__all__ = ["BACKUP_FAILED", "NO_FAILURE", "Acknowledger"]
 
 NO_FAILURE = 1 << 62  # "no failed backup" in the MIN of first failures
+BACKUP_FAILED = "failed"  # TreeNode.backup of a node whose backup failed on some rank
 
 
 class Acknowledger:
@@ -80,22 +81,35 @@ class Acknowledger:
                     self._submit_backup(node)
 
     def _submit_backup(self, node: TreeNode) -> None:
+        """Back up ``node`` after any ancestors not backed up yet (parents first).
+
+        An ancestor without a backup is usually a piece of the same write that a later
+        match split off; one without a completed host copy is a gap: nothing is stored.
+        """
         tree = self._cache.tree
         if node.host_pages is None or node.backup is not None or node.parent is None:
             return
-        parent = node.parent
-        parent_task = None
-        if parent is not tree.root:
-            if not isinstance(parent.backup, BackupTask):
+        chain = []
+        ancestor = node
+        while ancestor is not tree.root and ancestor.backup is None:
+            if not ancestor.backuped:
                 self._stats.backup_skipped_gap += 1
                 return
-            parent_task = parent.backup
-        task = BackupTask(node, self._hashes(node), list(node.host_pages), parent_task)
-        node.backup = task
-        tree.lock(node)  # its host slots stay put until the backup is acknowledged
-        self._backups.append(task)
-        assert self._backup is not None
-        self._backup.submit(task)
+            chain.append(ancestor)
+            assert ancestor.parent is not None
+            ancestor = ancestor.parent
+        parent_task = None if ancestor is tree.root else ancestor.backup
+        if parent_task is not None and not isinstance(parent_task, BackupTask):
+            self._stats.backup_skipped_gap += 1  # an ancestor's backup failed: a gap
+            return
+        for n in reversed(chain):
+            task = BackupTask(n, self._hashes(n), list(n.host_pages or ()), parent_task)
+            n.backup = task
+            tree.lock(n)  # its host slots stay put until the backup is acknowledged
+            self._backups.append(task)
+            assert self._backup is not None
+            self._backup.submit(task)
+            parent_task = task
 
     def _ack_backup(self, task: BackupTask, *, ok: bool) -> None:
         node = task.node
@@ -109,7 +123,7 @@ class Acknowledger:
         else:
             self._stats.backup_failures += 1
         if node.backup is task:
-            node.backup = None  # its children will not be stored either: no holes
+            node.backup = BACKUP_FAILED  # its descendants will not be stored: no holes
 
     def _hashes(self, node: TreeNode) -> list[str]:
         """Page hashes of ``node`` (chained from the root), cached on the nodes."""

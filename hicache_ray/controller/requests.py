@@ -207,6 +207,7 @@ class RequestState:
                     node.backup = BackupTask.already_stored(node)  # children may be stored
             ctl.stats_.storage_hit_tokens += len(useful) * self._page_size
         handle = ctl.cache.match(r.arrival.tokens, limit_pages=ready, extra_host_pages=dropped)
+        handle.storage_hit_tokens = len(useful) * self._page_size
         tree.unlock(r.node)
         if handle.num_cached_tokens < ready * self._page_size:
             ctl.note_failure()  # this rank's device pool could not hold the agreed prefix

@@ -1,0 +1,207 @@
+"""The per-rank step loop: admit, agree, take, prefill the uncached suffix, decode, insert.
+
+Every rank of a deployment runs :meth:`RankRuntime.step` in lock step; rank 0 alone takes
+:meth:`RankRuntime.submit` calls and reports results. One step:
+
+1. rank 0's new requests are checked (a bad one gets an error result at once, alone) and
+   admitted through the controller's step, which also agrees every fact of the step;
+2. each request the prefetch policy lets run is taken with its agreed cached prefix (at
+   most all but the last prompt token, which must be computed) and prefilled over it, the
+   model waiting on each layer's load; its first token is sampled (greedy);
+3. every running request decodes one token; a finished one inserts the KV of its prompt and
+   generated tokens into the cache and releases its locks.
+
+Requests waiting on a prefetch do not block the others: they are simply not runnable yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from hicache_ray.cache import CacheFullError, CacheHandle
+from hicache_ray.controller import Arrival, CacheController
+from hicache_ray.model import ReferenceModel
+
+__all__ = ["GenerateRequest", "RankRuntime", "RequestResult"]
+
+
+class GenerateRequest(msgspec.Struct, frozen=True):
+    """A prompt and how many tokens to generate greedily."""
+
+    rid: str
+    tokens: list[int]
+    max_new_tokens: int = 16
+
+
+class RequestResult(msgspec.Struct, kw_only=True):
+    """What one request produced and where its prefix came from.
+
+    Attributes:
+        output_tokens: generated token ids.
+        device_hit_tokens / host_hit_tokens / storage_hit_tokens: cached prompt tokens by
+            tier (host hits include tokens prefetched from storage into the host pool).
+        recomputed_tokens: prompt tokens computed by the prefill.
+        ttft_s: admission to first token; prefetch_s: admission to take.
+        error: why the request was refused (nothing else is set then).
+    """
+
+    rid: str
+    output_tokens: list[int] = msgspec.field(default_factory=list)
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    ttft_s: float = 0.0
+    prefetch_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class _Running:
+    request: GenerateRequest
+    handle: CacheHandle
+    result: RequestResult
+    generated: list[int] = field(default_factory=list)
+
+
+class RankRuntime:
+    """One rank's scheduler over a cache controller and its share of the model.
+
+    Args:
+        controller: this rank's cache (its consensus group spans the deployment's ranks).
+        model: this rank's share of the model (TP only; PP stages are the Ray layer's).
+        keep_logits: keep each request's first-token logits in ``first_logits`` (tests).
+    """
+
+    def __init__(
+        self, controller: CacheController, model: ReferenceModel, *, keep_logits: bool = False
+    ) -> None:
+        self.ctl = controller
+        self.model = model
+        self.page_size = controller.config.page_size
+        self.keep_logits = keep_logits
+        self.first_logits: dict[str, torch.Tensor] = {}
+        self._queue: list[GenerateRequest] = []
+        self._requests: dict[str, tuple[GenerateRequest, float]] = {}  # admitted, not taken
+        self._running: list[_Running] = []
+        self._done: list[RequestResult] = []
+
+    # -------------------------------------------------------------- requests
+
+    def submit(self, request: GenerateRequest) -> None:
+        """Queue a request (rank 0); a bad one is answered with an error at the next step."""
+        if self.ctl.consensus.rank != 0:
+            raise ValueError("requests are submitted on rank 0")
+        self._queue.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not (self._queue or self._requests or self._running)
+
+    def _check(self, r: GenerateRequest) -> str | None:
+        vocab = self.model.config.vocab_size
+        if not r.tokens:
+            return "empty prompt"
+        if min(r.tokens) < 0 or max(r.tokens) >= vocab:
+            return f"token ids must lie in [0, {vocab})"
+        if r.max_new_tokens < 0:
+            return f"max_new_tokens={r.max_new_tokens} is negative"
+        total = len(r.tokens) + r.max_new_tokens
+        capacity = self.ctl.cache.device_pool.num_tokens
+        if total > capacity:
+            return f"{total} tokens can never fit the device pool ({capacity} tokens)"
+        if r.rid in self._requests or any(x.request.rid == r.rid for x in self._running):
+            return f"request id {r.rid!r} is already in flight"
+        return None
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[RequestResult]:
+        """One scheduler iteration (every rank); returns the requests finished on it."""
+        arrivals = []
+        for r in self._queue:
+            error = self._check(r)
+            if error is not None:
+                self._done.append(RequestResult(rid=r.rid, error=error))
+            else:
+                extra = msgspec.msgpack.encode(r.max_new_tokens)
+                arrivals.append(Arrival(r.rid, r.tokens, extra))
+        self._queue.clear()
+        agreed = self.ctl.step(arrivals)
+        now = time.perf_counter()
+        for a in agreed.arrivals:
+            max_new = msgspec.msgpack.decode(a.extra, type=int)
+            self._requests[a.rid] = (GenerateRequest(a.rid, a.tokens, max_new), now)
+        for rid in agreed.runnable:
+            self._start(rid)
+        for running in list(self._running):
+            self._decode(running)
+        done, self._done = self._done, []
+        return done
+
+    def _start(self, rid: str) -> None:
+        request, admitted = self._requests.pop(rid)
+        taken = time.perf_counter()
+        max_pages = (len(request.tokens) - 1) // self.page_size
+        handle = self.ctl.take(rid, max_pages=max_pages)
+        cached = handle.num_cached_tokens
+        result = RequestResult(
+            rid=rid,
+            device_hit_tokens=handle.device_hit_tokens,
+            host_hit_tokens=handle.host_hit_tokens,
+            recomputed_tokens=len(request.tokens) - cached,
+            prefetch_s=taken - admitted,
+        )
+        result.storage_hit_tokens = handle.storage_hit_tokens
+        try:
+            self.ctl.reserve(handle, len(request.tokens) - cached + request.max_new_tokens)
+        except CacheFullError as exc:  # running requests hold the pool: this one fails alone
+            self.ctl.release(handle)
+            self._done.append(RequestResult(rid=rid, error=str(exc)))
+            return
+        ids = torch.tensor(request.tokens[cached:])
+        logits = self.model.forward(
+            ids,
+            self.ctl.cache.device_pool,
+            handle.device_pages,
+            cached,
+            wait_layer=handle.wait_layer,
+        )
+        self.ctl.wait_ready(handle)  # surfaces (and counts) a failed load
+        if self.keep_logits:
+            self.first_logits[rid] = logits[-1].clone()
+        running = _Running(request, handle, result)
+        result.ttft_s = time.perf_counter() - admitted
+        if request.max_new_tokens:
+            running.generated.append(int(logits[-1].argmax()))
+        self._running.append(running)
+        self._maybe_finish(running)
+
+    def _decode(self, running: _Running) -> None:
+        if self._maybe_finish(running):
+            return
+        request = running.request
+        position = len(request.tokens) + len(running.generated) - 1
+        logits = self.model.forward(
+            torch.tensor(running.generated[-1:]),
+            self.ctl.cache.device_pool,
+            running.handle.device_pages,
+            position,
+        )
+        running.generated.append(int(logits[-1].argmax()))
+        self._maybe_finish(running)
+
+    def _maybe_finish(self, running: _Running) -> bool:
+        if len(running.generated) < running.request.max_new_tokens:
+            return False
+        # KV exists for the prompt and every generated token but the last.
+        tokens = running.request.tokens + running.generated[:-1]
+        self.ctl.finish(running.handle, tokens)
+        running.result.output_tokens = list(running.generated)
+        self._running.remove(running)
+        self._done.append(running.result)
+        return True

@@ -1,0 +1,152 @@
+"""The per-rank runtime: reuse from every tier is exact against recompute; bad requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache_ray.config import (
+    CacheConfig,
+    MemoryConfig,
+    PrefetchConfig,
+    StorageConfig,
+    WriteConfig,
+)
+from hicache_ray.controller import CacheController
+from hicache_ray.keys import plan_shard
+from hicache_ray.layout import Shard, ShardKV
+from hicache_ray.model import ReferenceModel, preset
+from hicache_ray.runtime import GenerateRequest, RankRuntime, RequestResult
+from hicache_ray.storage import MemoryObjects, PagedBackend
+
+PAGE = 4
+TOL = 1e-4  # float32; see README "Reference model"
+MODEL = preset("tiny")
+
+
+def runtime(objects: MemoryObjects | None, write_policy: str = "write_through") -> RankRuntime:
+    config = CacheConfig(
+        memory=MemoryConfig(page_size=PAGE, device_tokens=256),
+        write=WriteConfig(policy=write_policy),  # type: ignore[arg-type]
+        prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0),
+        storage=StorageConfig(backend="memory" if objects is not None else "none", model_id="tiny"),
+    )
+    kv = ShardKV(model=MODEL.model_kv(), shard=Shard(), page_size=PAGE)
+    storage = (
+        PagedBackend("memory", objects, plan_shard(kv, config), scan_on_start=False)
+        if objects is not None
+        else None
+    )
+    ctl = CacheController(config, kv, storage=storage, host_budget_bytes=1 << 30)
+    return RankRuntime(ctl, ReferenceModel(MODEL), keep_logits=True)
+
+
+def run(rt: RankRuntime, request: GenerateRequest) -> RequestResult:
+    rt.submit(request)
+    while True:
+        for result in rt.step():
+            if result.rid == request.rid:
+                return result
+        rt.ctl.settle(timeout=30)
+
+
+def drain(rt: RankRuntime) -> None:
+    while True:
+        rt.ctl.settle(timeout=30)
+        if not rt.ctl.step().busy:
+            return
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL.vocab_size, (n,), generator=g).tolist()
+
+
+def reference(tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+    rt = runtime(None)
+    result = run(rt, GenerateRequest("ref", tokens, 16))
+    assert result.device_hit_tokens == result.host_hit_tokens == 0
+    logits = rt.first_logits["ref"]
+    rt.ctl.close()
+    return logits, result.output_tokens
+
+
+def assert_exact(rt: RankRuntime, result: RequestResult, tokens: list[int]) -> None:
+    ref_logits, ref_tokens = reference(tokens)
+    got = rt.first_logits[result.rid]
+    assert torch.allclose(got, ref_logits, atol=TOL, rtol=0), (got - ref_logits).abs().max()
+    assert result.output_tokens == ref_tokens[: len(result.output_tokens)]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("tier", ["device", "host", "storage", "mixed"])
+def test_reuse_from_every_tier_is_exact(tier: str, policy: str) -> None:
+    objects = MemoryObjects()
+    base, more = prompt(1, 30), prompt(2, 9)
+    rt = runtime(objects, policy)
+    first = run(rt, GenerateRequest("a", base, 4))
+    assert first.recomputed_tokens == 30
+    run(rt, GenerateRequest("a2", base, 1))  # a second hit makes selective writes happen
+    drain(rt)
+    tree, cache = rt.ctl.cache.tree, rt.ctl.cache
+    if tier == "mixed":
+        run(rt, GenerateRequest("head", base[:13], 1))  # pages 0-2: a node, used last
+    if tier != "device":  # evict from L1 (under write_back, writing back first)
+        hook = cache._write_back if policy == "write_back" else None
+        keep = 3 if tier == "mixed" else 0  # mixed: pages 0-2 stay on the device
+        cache.device_pool.allocator.free(tree.evict_device(tree.num_device_pages - keep, hook))
+        drain(rt)
+    if tier == "storage":
+        rt.ctl.close()
+        rt = runtime(objects, policy)  # a new deployment: only L3 holds the prefix
+    tokens = base + more
+    result = run(rt, GenerateRequest("b", tokens, 16))
+    hits = {
+        "device": result.device_hit_tokens,
+        "host": result.host_hit_tokens,
+        "storage": result.storage_hit_tokens,
+    }
+    cached = len(tokens) - result.recomputed_tokens
+    assert cached > 0, hits
+    if tier != "mixed":
+        assert hits[tier] == cached, hits
+    else:
+        assert hits["device"] > 0 and hits["host"] > 0, hits
+    assert_exact(rt, result, tokens)
+    drain(rt)
+    rt.ctl.check_integrity()
+    rt.ctl.close()
+
+
+def test_bad_requests_are_refused_alone() -> None:
+    rt = runtime(None)
+    good = GenerateRequest("ok", prompt(3, 10), 2)
+    for bad in (
+        GenerateRequest("empty", [], 2),
+        GenerateRequest("vocab", [MODEL.vocab_size], 2),
+        GenerateRequest("negative", [1, 2], -1),
+        GenerateRequest("huge", [1] * 300, 2),
+    ):
+        rt.submit(bad)
+    rt.submit(good)
+    results: dict[str, RequestResult] = {}
+    while len(results) < 5:
+        results.update({r.rid: r for r in rt.step()})
+    assert results["ok"].error is None and len(results["ok"].output_tokens) == 2
+    for rid in ("empty", "vocab", "negative", "huge"):
+        assert results[rid].error, rid
+    rt.ctl.close()
+
+
+def test_multi_turn_hits_the_generated_tokens_too() -> None:
+    rt = runtime(MemoryObjects())
+    user1, user2 = prompt(5, 21), prompt(6, 7)
+    turn1 = run(rt, GenerateRequest("t1", user1, 12))
+    history = user1 + turn1.output_tokens + user2  # the next turn's prompt
+    turn2 = run(rt, GenerateRequest("t2", history, 8))
+    cached = len(history) - turn2.recomputed_tokens
+    # KV of the prompt and all generated tokens but the last was inserted: 32 tokens.
+    assert cached == (len(user1) + len(turn1.output_tokens) - 1) // PAGE * PAGE == 32
+    assert turn2.device_hit_tokens == cached
+    assert_exact(rt, turn2, history)
+    rt.ctl.close()
