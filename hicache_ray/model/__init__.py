@@ -2,13 +2,14 @@
 
 from hicache_ray.model.attention import paged_attention, position_slots
 from hicache_ray.model.config import PRESETS, ModelConfig, preset
-from hicache_ray.model.transformer import ReferenceModel, TPGroup
+from hicache_ray.model.transformer import ReferenceModel, TPGroup, gloo_tp_all_reduce
 
 __all__ = [
     "PRESETS",
     "ModelConfig",
     "ReferenceModel",
     "TPGroup",
+    "gloo_tp_all_reduce",
     "paged_attention",
     "position_slots",
     "preset",

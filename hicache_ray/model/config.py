@@ -19,7 +19,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         intermediate_size: the shapes.
         rope_theta: rotary base.
         rms_eps: RMSNorm epsilon.
-        tie_embeddings: the output projection reuses the embedding matrix.
+        tie_embeddings: the output projection reuses the embedding matrix (with random
+            weights that makes greedy decoding repeat the input token: off by default).
         dtype: ``float32`` (default; exactness tests), ``bfloat16`` or ``float16``.
         seed: weights are drawn from this seed, identically in every process.
     """
@@ -34,7 +35,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     intermediate_size: int = 128
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
-    tie_embeddings: bool = True
+    tie_embeddings: bool = False
     dtype: DTypeName = "float32"
     seed: int = 0
 

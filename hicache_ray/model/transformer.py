@@ -24,7 +24,7 @@ from hicache_ray.model.attention import paged_attention, position_slots
 from hicache_ray.model.config import ModelConfig
 from hicache_ray.model.weights import LayerWeights, shard_weights
 
-__all__ = ["ReferenceModel", "TPGroup"]
+__all__ = ["ReferenceModel", "TPGroup", "gloo_tp_all_reduce"]
 
 TPGroup = Callable[[torch.Tensor], None]  # in-place SUM all-reduce over the TP ranks
 
@@ -164,3 +164,16 @@ class ReferenceModel:
     def _reduce(self, t: torch.Tensor) -> None:
         if self._all_reduce is not None and self.shard.tp_size > 1:
             self._all_reduce(t)
+
+
+def gloo_tp_all_reduce(group: object) -> TPGroup:
+    """The in-place SUM all-reduce of a gloo process group (``GlooConsensus.group``)."""
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+
+    def all_reduce(t: torch.Tensor) -> None:
+        group.allreduce([t], opts).wait()  # type: ignore[attr-defined]
+
+    return all_reduce

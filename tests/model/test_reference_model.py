@@ -142,6 +142,8 @@ def test_presets_and_bad_sizes() -> None:
         )
     with pytest.raises(ValueError, match="tp_all_reduce"):
         ReferenceModel(preset("tiny"), Shard(tp_rank=0, tp_size=2))
+    tied = ReferenceModel(preset("tiny", tie_embeddings=True))
+    assert tied.weights.lm_head is tied.weights.embed
     bf16 = ReferenceModel(preset("tiny", dtype="bfloat16"))
     out = bf16.forward(tokens(8), pool_for(preset("tiny", dtype="bfloat16"), Shard()), [0, 1], 0)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
