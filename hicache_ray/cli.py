@@ -53,6 +53,15 @@ def _bench_storage(args: argparse.Namespace) -> int:
     return _finish(args, "bench storage", dataclasses.asdict(opts), figures)
 
 
+def _bench_runtime(args: argparse.Namespace) -> int:
+    from hicache_ray.bench.runtime import RuntimeBenchOptions, run_runtime_bench
+
+    opts = RuntimeBenchOptions.quick() if args.quick else RuntimeBenchOptions()
+    torch.set_num_threads(args.threads)
+    figures = run_runtime_bench(opts, _log)
+    return _finish(args, "bench runtime", dataclasses.asdict(opts), figures)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from hicache_ray.demo_local import LocalDemoOptions, run_local_demo
 
@@ -105,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     storage.add_argument("--root", help="file backend root (directory or URI); default a temp dir")
     storage.add_argument("--quick", action="store_true", help="small pages, for smoke tests")
     storage.set_defaults(func=_bench_storage)
+    rt = bench_sub.add_parser("runtime", help="TTFT per prefix tier vs recompute; miss overhead")
+    common(rt)
+    rt.add_argument("--quick", action="store_true", help="the tiny model, for smoke tests")
+    rt.set_defaults(func=_bench_runtime)
     return parser
 
 

@@ -23,6 +23,48 @@ def position_slots(pages: Sequence[int], page_size: int, start: int, end: int) -
     return table[pos // page_size] * page_size + pos % page_size
 
 
+# NOTE: torch's CPU flash-attention kernel also returns the log-sum-exp of each row, which
+# is what merging runs needs; it is an internal op, so its absence falls back to the plain
+# online softmax below.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _runs_fused(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    page_size: int,
+    start: int,
+) -> torch.Tensor:
+    """Each run through the fused kernel (keys as pool views), merged by log-sum-exp."""
+    num_q, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    end = start + num_q
+    qb = q.to(k_pool.dtype).reshape(num_q, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv,G,T,D]
+    q_pos = torch.arange(start, end, device=q.device)[:, None]
+    outs, lses = [], []
+    for first, pool_page, n in runs:
+        lo, hi = first * page_size, min(end, (first + n) * page_size)
+        slot = pool_page * page_size
+        shape = (hkv, group, hi - lo, d)
+        k = k_pool[slot : slot + hi - lo].transpose(0, 1)[:, None].expand(shape)
+        v = v_pool[slot : slot + hi - lo].transpose(0, 1)[:, None].expand(shape)
+        mask = None
+        if hi > start:  # the run holds new tokens: causal within it
+            hidden = torch.arange(lo, hi, device=q.device)[None, :] > q_pos
+            mask = torch.zeros(hidden.shape, dtype=k.dtype).masked_fill(hidden, float("-inf"))
+        out, lse = _FLASH_WITH_LSE(qb, k, v, 0.0, False, attn_mask=mask)  # type: ignore[misc]
+        seen = (lo <= q_pos[:, 0]).expand_as(lse)  # else all this run's keys are its future
+        outs.append(torch.where(seen[..., None], out.float(), 0.0))
+        lses.append(torch.where(seen, lse.float(), float("-inf")))
+    lse_all = torch.stack(lses)  # [R, Hkv, G, T]
+    weights = torch.exp(lse_all - torch.logsumexp(lse_all, dim=0, keepdim=True))
+    merged = (torch.stack(outs) * weights[..., None]).sum(0)  # [Hkv, G, T, D]
+    return merged.permute(2, 0, 1, 3).reshape(num_q, hq, d).to(q.dtype)
+
+
 def _runs(pages: Sequence[int], num_pages: int) -> list[tuple[int, int, int]]:
     """(first page index, first pool page, length) of consecutive pool pages."""
     runs: list[tuple[int, int, int]] = []
@@ -70,6 +112,8 @@ def paged_attention(
             q.to(k.dtype).transpose(0, 1)[None], k, v, attn_mask=visible, enable_gqa=True
         )
         return out[0].transpose(0, 1).to(q.dtype)
+    if q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
+        return _runs_fused(q, k_pool, v_pool, runs, page_size, start)
     qf = q.float().reshape(num_q, hkv, group, d) * d**-0.5
     q_pos = torch.arange(start, end, device=q.device).view(1, 1, num_q, 1)
     m = torch.full((hkv, group, num_q, 1), float("-inf"), device=q.device)

@@ -11,7 +11,7 @@ import torch
 from hicache_ray.errors import ConfigError
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.memory import DevicePool
-from hicache_ray.model import ModelConfig, ReferenceModel, paged_attention, preset
+from hicache_ray.model import ModelConfig, ReferenceModel, attention, paged_attention, preset
 
 PAGE = 4
 TOL = 1e-4  # float32: a chunked softmax and a split sum reorder additions, nothing more
@@ -64,8 +64,13 @@ def test_cached_prefix_prefill_matches_full_prefill(cached: int) -> None:
     assert got_tokens == ref_tokens
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-runs", "online-softmax"])
 @pytest.mark.parametrize("pages", [[3, 4, 0, 9], [2, 3, 4, 5]], ids=["runs", "one-span"])
-def test_paged_attention_equals_one_softmax(pages: list[int]) -> None:
+def test_paged_attention_equals_one_softmax(
+    pages: list[int], fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not fused:  # the path devices without torch's CPU kernel take
+        monkeypatch.setattr(attention, "_FLASH_WITH_LSE", None)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(5, 4, 8, generator=g)
     k_pool = torch.randn(64, 2, 8, generator=g)

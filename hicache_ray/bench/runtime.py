@@ -1,0 +1,196 @@
+"""``hicache-ray bench runtime``: time to first token by where the prefix comes from.
+
+(a) For each prefix length, a prompt of that prefix plus new tokens is served with its
+prefix in L1, in L2 (evicted from the device first), in L3 only (a new deployment over the
+same store), and not at all (full recompute). The L2 hit is judged against the L1 hit plus
+the memcpy floor of the bytes it moves, measured in the same run.
+(b) Pure-miss overhead: prompts that share nothing, served with the full cache (host writes,
+L3 queries and backups on) and with it off (no storage; write_back with room to spare, so
+nothing is copied), alternating so noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hicache_ray.bench.report import Figure, figure
+from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig, WriteConfig
+from hicache_ray.controller import CacheController
+from hicache_ray.keys import plan_shard
+from hicache_ray.layout import Shard, ShardKV
+from hicache_ray.model import ModelConfig, ReferenceModel, preset
+from hicache_ray.runtime import GenerateRequest, RankRuntime, RequestResult
+from hicache_ray.storage import MemoryObjects, PagedBackend
+
+__all__ = ["RuntimeBenchOptions", "run_runtime_bench"]
+
+
+@dataclass(frozen=True)
+class RuntimeBenchOptions:
+    model: str = "bench"
+    page_size: int = 64
+    prefix_lengths: tuple[int, ...] = (512, 1024, 2048)
+    new_tokens: int = 64
+    repeats: int = 3
+    miss_requests: int = 6
+    miss_length: int = 1024
+
+    @classmethod
+    def quick(cls) -> RuntimeBenchOptions:
+        return cls(
+            model="tiny",
+            page_size=16,
+            prefix_lengths=(128, 256),
+            repeats=2,
+            miss_requests=3,
+            miss_length=256,
+        )
+
+
+class _Deployment:
+    """One rank with the reference model over a shared memory store."""
+
+    def __init__(
+        self, model: ModelConfig, opts: RuntimeBenchOptions, objects: MemoryObjects | None
+    ) -> None:
+        longest = max(*opts.prefix_lengths, opts.miss_length) + 2 * opts.new_tokens
+        config = CacheConfig(
+            memory=MemoryConfig(page_size=opts.page_size, device_tokens=4 * longest),
+            write=WriteConfig(policy="write_through" if objects is not None else "write_back"),
+            prefetch=PrefetchConfig(policy="wait_complete"),
+            storage=StorageConfig(
+                backend="memory" if objects is not None else "none", model_id=model.name
+            ),
+        )
+        kv = ShardKV(model=model.model_kv(), shard=Shard(), page_size=opts.page_size)
+        storage = (
+            PagedBackend("memory", objects, plan_shard(kv, config), scan_on_start=False)
+            if objects is not None
+            else None
+        )
+        self.ctl = CacheController(config, kv, storage=storage, host_budget_bytes=1 << 34)
+        self.rt = RankRuntime(self.ctl, ReferenceModel(model))
+        self.page_bytes = kv.page_bytes
+        self._ids = 0
+
+    def serve(self, tokens: list[int]) -> RequestResult:
+        self._ids += 1
+        rid = f"r{self._ids}"
+        self.rt.submit(GenerateRequest(rid, tokens, 1))
+        while True:
+            for result in self.rt.step():
+                if result.rid == rid:
+                    if result.error:
+                        raise RuntimeError(f"bench request failed: {result.error}")
+                    return result
+            self.ctl.settle(timeout=60)
+
+    def drain(self) -> None:
+        while True:
+            self.ctl.settle(timeout=60)
+            if not self.ctl.step().busy:
+                return
+
+    def evict_device(self) -> None:
+        tree = self.ctl.cache.tree
+        self.ctl.cache.device_pool.allocator.free(tree.evict_device(tree.num_device_pages))
+
+    def close(self) -> None:
+        self.ctl.close()
+
+
+def _tokens(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _copy_floor_s(nbytes: int) -> float:
+    src = torch.full((nbytes,), 3, dtype=torch.uint8)
+    dst = torch.ones_like(src)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _tier_figures(
+    model: ModelConfig, opts: RuntimeBenchOptions, log: Callable[[str], None]
+) -> list[Figure]:
+    figures: list[Figure] = []
+    worst_overhead = 0.0
+    for length in opts.prefix_lengths:
+        ttft: dict[str, list[float]] = {t: [] for t in ("l1", "l2", "l3", "miss")}
+        floors: list[float] = []
+        for rep in range(opts.repeats):
+            objects = MemoryObjects()
+            seed = 1000 * length + rep
+            prefix = _tokens(model.vocab_size, length, seed)
+
+            def prompt(tag: int, prefix: list[int] = prefix, seed: int = seed) -> list[int]:
+                return prefix + _tokens(model.vocab_size, opts.new_tokens, seed + 100 * tag)
+
+            first = _Deployment(model, opts, objects)
+            ttft["miss"].append(first.serve(prompt(1)).ttft_s)
+            first.drain()
+            ttft["l1"].append(first.serve(prompt(2)).ttft_s)
+            first.drain()
+            first.evict_device()
+            l2 = first.serve(prompt(3))
+            ttft["l2"].append(l2.ttft_s)
+            floors.append(_copy_floor_s(l2.host_hit_tokens // opts.page_size * first.page_bytes))
+            first.drain()
+            first.close()
+            second = _Deployment(model, opts, objects)  # a new deployment: L3 only
+            ttft["l3"].append(second.serve(prompt(4)).ttft_s)
+            second.close()
+        med = {t: statistics.median(v) for t, v in ttft.items()}
+        floor = statistics.median(floors)
+        overhead = (med["l2"] - med["l1"]) / floor if floor > 0 else 0.0
+        worst_overhead = max(worst_overhead, overhead)
+        log(
+            f"runtime: prefix {length}: TTFT L1 {med['l1'] * 1e3:.1f} ms, L2 "
+            f"{med['l2'] * 1e3:.1f} ms, L3 {med['l3'] * 1e3:.1f} ms, recompute "
+            f"{med['miss'] * 1e3:.1f} ms; L2 bytes' copy floor {floor * 1e3:.2f} ms"
+        )
+        for tier, value in med.items():
+            figures.append(
+                figure(f"runtime.ttft_ms.{tier}.{length}", value * 1e3, "ms", better="lower")
+            )
+    figures.append(
+        figure("runtime.l2_hit.overhead_vs_floor", worst_overhead, "x", target=1.5, better="lower")
+    )
+    return figures
+
+
+def _miss_figure(
+    model: ModelConfig, opts: RuntimeBenchOptions, log: Callable[[str], None]
+) -> Figure:
+    on = _Deployment(model, opts, MemoryObjects())
+    off = _Deployment(model, opts, None)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(opts.miss_requests + 1):
+        for name, dep in (("on", on), ("off", off)):
+            tokens = _tokens(model.vocab_size, opts.miss_length, 7_000_000 + 2 * i + len(name))
+            ttft = dep.serve(tokens).ttft_s
+            if i:  # the first pair warms up
+                times[name].append(ttft)
+    on.close()
+    off.close()
+    mean_on, mean_off = statistics.mean(times["on"]), statistics.mean(times["off"])
+    pct = (mean_on - mean_off) / mean_off * 100
+    log(f"runtime: pure miss TTFT {mean_on * 1e3:.1f} ms with the cache, {mean_off * 1e3:.1f} off")
+    return figure("runtime.pure_miss.overhead_pct", pct, "%", target=3, better="lower")
+
+
+def run_runtime_bench(
+    opts: RuntimeBenchOptions, log: Callable[[str], None] = print
+) -> list[Figure]:
+    model = preset(opts.model)
+    return [*_tier_figures(model, opts, log), _miss_figure(model, opts, log)]
