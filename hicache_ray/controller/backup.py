@@ -11,7 +11,9 @@ acknowledges the task.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 
@@ -23,9 +25,15 @@ from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
 from hicache_ray.tree import TreeNode
 
-__all__ = ["BackupPipeline", "BackupTask"]
+__all__ = ["BackupPipeline", "BackupTask", "lower_priority"]
 
 log = logging.getLogger(__name__)
+
+
+def lower_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to others (Linux: per-thread nice value)."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
 class BackupTask:
@@ -67,6 +75,7 @@ class BackupWorker(threading.Thread):
         self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
 
     def run(self) -> None:
+        lower_priority()  # backups are background work: prefills and decodes go first
         while (task := self.inbox.get()) is not None:
             try:
                 if task.parent is not None and not task.parent.ok:
