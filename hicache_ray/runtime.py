@@ -46,6 +46,8 @@ class RequestResult(msgspec.Struct, kw_only=True):
             tier (host hits include tokens prefetched from storage into the host pool).
         recomputed_tokens: prompt tokens computed by the prefill.
         ttft_s: admission to first token; prefetch_s: admission to take.
+        load_s: the longest L2 -> L1 copy of the prefix (it overlaps the prefill);
+        load_bytes / prefetch_bytes: bytes copied L2 -> L1 / read from L3 for it.
         error: why the request was refused (nothing else is set then).
     """
 
@@ -57,6 +59,9 @@ class RequestResult(msgspec.Struct, kw_only=True):
     recomputed_tokens: int = 0
     ttft_s: float = 0.0
     prefetch_s: float = 0.0
+    load_s: float = 0.0
+    load_bytes: int = 0
+    prefetch_bytes: int = 0
     error: str | None = None
 
 
@@ -157,6 +162,10 @@ class RankRuntime:
             prefetch_s=taken - admitted,
         )
         result.storage_hit_tokens = handle.storage_hit_tokens
+        page_bytes = self.ctl.cache.kv.page_bytes
+        result.load_bytes = handle.host_hit_tokens // self.page_size * page_bytes
+        result.prefetch_bytes = handle.storage_hit_tokens // self.page_size * page_bytes
+        loads = list(handle.loads)
         try:
             self.ctl.reserve(handle, len(request.tokens) - cached + request.max_new_tokens)
         except CacheFullError as exc:  # running requests hold the pool: this one fails alone
@@ -172,6 +181,7 @@ class RankRuntime:
             wait_layer=handle.wait_layer,
         )
         self.ctl.wait_ready(handle)  # surfaces (and counts) a failed load
+        result.load_s = max((t.latency_s or 0.0 for t in loads), default=0.0)
         if self.keep_logits:
             self.first_logits[rid] = logits[-1].clone()
         running = _Running(request, handle, result)

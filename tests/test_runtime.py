@@ -113,6 +113,10 @@ def test_reuse_from_every_tier_is_exact(tier: str, policy: str) -> None:
     else:
         assert hits["device"] > 0 and hits["host"] > 0, hits
     assert_exact(rt, result, tokens)
+    page_bytes = rt.ctl.cache.kv.page_bytes
+    assert result.load_bytes == result.host_hit_tokens // PAGE * page_bytes
+    assert result.prefetch_bytes == result.storage_hit_tokens // PAGE * page_bytes
+    assert (result.load_s > 0) == (result.host_hit_tokens > 0)
     drain(rt)
     rt.ctl.check_integrity()
     rt.ctl.close()

@@ -25,6 +25,7 @@ def test_bench_micro_quick_writes_schema(tmp_path: Path) -> None:
         assert f"transfer.load.{layout}.gbps" in names
         assert f"transfer.write.{layout}.gbps" in names
     assert {"tree.insert_per_s", "tree.match_per_s", "tree.evict_all_s"} <= names
+    assert {"consensus.step_us.world2", "consensus.step_us.world4", "fetch.l3_to_l1.gbps"} <= names
     for f in report.figures:
         if f.name.startswith("transfer."):
             assert f.ceiling and f.ceiling > 0 and f.ratio is not None and f.value > 0
@@ -55,3 +56,15 @@ def test_bench_storage_quick_writes_every_figure(tmp_path: Path) -> None:
             assert f.value > 0 and f.ceiling and f.ratio is not None
         assert by_name[f"storage.{backend}.exists128_us"].value > 0
     assert not list((tmp_path / "l3").rglob("*-*_*"))  # the bench removed its pages
+
+
+def test_bench_runtime_quick_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "runtime.json"
+    assert main(["bench", "runtime", "--quick", "--json", str(out)]) == 0
+    report = msgspec.json.decode(out.read_bytes(), type=Report)
+    by_name = {f.name: f for f in report.figures}
+    for length in (128, 256):
+        for tier in ("l1", "l2", "l3", "miss"):
+            assert by_name[f"runtime.ttft_ms.{tier}.{length}"].value > 0
+    assert by_name["runtime.l2_hit.overhead_vs_floor"].target == 1.5
+    assert by_name["runtime.pure_miss.overhead_pct"].target == 3
