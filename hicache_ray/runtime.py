@@ -173,13 +173,14 @@ class RankRuntime:
             self._done.append(RequestResult(rid=rid, error=str(exc)))
             return
         ids = torch.tensor(request.tokens[cached:])
-        logits = self.model.forward(
-            ids,
-            self.ctl.cache.device_pool,
-            handle.device_pages,
-            cached,
-            wait_layer=handle.wait_layer,
-        )
+        with self.ctl.computing():
+            logits = self.model.forward(
+                ids,
+                self.ctl.cache.device_pool,
+                handle.device_pages,
+                cached,
+                wait_layer=handle.wait_layer,
+            )
         self.ctl.wait_ready(handle)  # surfaces (and counts) a failed load
         result.load_s = max((t.latency_s or 0.0 for t in loads), default=0.0)
         if self.keep_logits:

@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -73,6 +74,8 @@ class BackupWorker(threading.Thread):
         super().__init__(name="hicache-backup", daemon=True)
         self.inbox: queue.SimpleQueue[BackupTask | None] = queue.SimpleQueue()
         self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
+        self.open = threading.Event()  # cleared while the rank computes (see ``paused``)
+        self.open.set()
 
     def run(self) -> None:
         lower_priority()  # backups are background work: prefills and decodes go first
@@ -96,13 +99,11 @@ class BackupWorker(threading.Thread):
         present = self._storage.exists(keys) // per_page
         task.skipped_pages = task.stored_pages = present
         writers = [i for i, obj in enumerate(plan.objects) if obj.writer]
-        batch = self._batch
-        if task.host_pages and any(
-            self._pool.object_view(task.host_pages[0], o.local_layers, o.local_heads) is None
-            for o in plan.objects
-        ):
-            batch = min(batch, STAGED_BATCH_PAGES)  # objects are copied out: keep it small
+        # Small batches: a pause (``paused``) takes effect quickly, and objects copied out of
+        # non-contiguous layouts stay few and warm.
+        batch = min(self._batch, STAGED_BATCH_PAGES)
         for start in range(present, len(task.hashes), batch):
+            self.open.wait()
             end = min(start + batch, len(task.hashes))
             batch_keys: list[str] = []
             pages: list[torch.Tensor] = []
@@ -134,10 +135,21 @@ class BackupPipeline:
     def submit(self, task: BackupTask) -> None:
         self.worker.inbox.put(task)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold backups between batches while the caller computes (a prefill): they are
+        background work, and on a small host they would take cores from the forward pass."""
+        self.worker.open.clear()
+        try:
+            yield
+        finally:
+            self.worker.open.set()
+
     def close(self) -> None:
         """Stop the thread after the tasks queued so far; safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        self.worker.open.set()
         self.worker.inbox.put(None)
         self.worker.join()

@@ -18,8 +18,9 @@ rank whose storage misses pages, fails or is slow only shortens what everyone us
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -209,6 +210,20 @@ class CacheController:
             self.note_failure()
 
     # ------------------------------------------------------------- background
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Around a forward pass: background backups wait (between batches) until it ends."""
+        if self.backup is None:
+            yield
+            return
+        with self.backup.paused():
+            yield
+
+    def wait_requests(self, timeout: float | None = None) -> None:
+        """Wait (locally) for the storage queries and reads of admitted requests only: what
+        a scheduler with nothing runnable waits for (backups and host writes run on)."""
+        self.requests.wait(timeout)
 
     def settle(self, timeout: float | None = None) -> None:
         """Wait (locally, no collective) until this rank's background work is done:
