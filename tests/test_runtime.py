@@ -7,6 +7,7 @@ import torch
 
 from hicache_ray.config import (
     CacheConfig,
+    Fault,
     MemoryConfig,
     PrefetchConfig,
     StorageConfig,
@@ -17,14 +18,18 @@ from hicache_ray.keys import plan_shard
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.model import ReferenceModel, preset
 from hicache_ray.runtime import GenerateRequest, RankRuntime, RequestResult
-from hicache_ray.storage import MemoryObjects, PagedBackend
+from hicache_ray.storage import FaultyObjects, MemoryObjects, PagedBackend
 
 PAGE = 4
 TOL = 1e-4  # float32; see README "Reference model"
 MODEL = preset("tiny")
 
 
-def runtime(objects: MemoryObjects | None, write_policy: str = "write_through") -> RankRuntime:
+def runtime(
+    objects: MemoryObjects | None,
+    write_policy: str = "write_through",
+    faults: tuple[Fault, ...] = (),
+) -> RankRuntime:
     config = CacheConfig(
         memory=MemoryConfig(page_size=PAGE, device_tokens=256),
         write=WriteConfig(policy=write_policy),  # type: ignore[arg-type]
@@ -32,9 +37,10 @@ def runtime(objects: MemoryObjects | None, write_policy: str = "write_through") 
         storage=StorageConfig(backend="memory" if objects is not None else "none", model_id="tiny"),
     )
     kv = ShardKV(model=MODEL.model_kv(), shard=Shard(), page_size=PAGE)
+    store = FaultyObjects(objects, faults) if objects is not None and faults else objects
     storage = (
-        PagedBackend("memory", objects, plan_shard(kv, config), scan_on_start=False)
-        if objects is not None
+        PagedBackend("memory", store, plan_shard(kv, config), scan_on_start=False)
+        if store is not None
         else None
     )
     ctl = CacheController(config, kv, storage=storage, host_budget_bytes=1 << 30)
@@ -153,4 +159,24 @@ def test_multi_turn_hits_the_generated_tokens_too() -> None:
     assert cached == (len(user1) + len(turn1.output_tokens) - 1) // PAGE * PAGE == 32
     assert turn2.device_hit_tokens == cached
     assert_exact(rt, turn2, history)
+    rt.ctl.close()
+
+
+def test_a_request_waiting_on_its_prefetch_does_not_hold_others_back() -> None:
+    objects = MemoryObjects()
+    stored_prompt = prompt(9, 40)
+    writer = runtime(objects)
+    run(writer, GenerateRequest("w", stored_prompt, 1))
+    drain(writer)
+    writer.ctl.close()
+    slow = Fault(op="read", kind="delay", delay_s=0.05)  # 10 pages: half a second of reads
+    rt = runtime(objects, faults=(slow,))
+    rt.submit(GenerateRequest("slow", stored_prompt, 2))
+    rt.step()  # admitted; its prefetch reads crawl
+    rt.submit(GenerateRequest("quick", prompt(10, 9), 2))
+    finished: list[str] = []
+    while "slow" not in finished:
+        finished += [r.rid for r in rt.step()]
+        rt.ctl.wait_requests(timeout=0.01)
+    assert finished.index("quick") < finished.index("slow")
     rt.ctl.close()
