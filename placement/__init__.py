@@ -1,6 +1,6 @@
-"""Pure planning of TP x PP bundles and rank order, plus one module that creates groups.
+"""Pure planning of TP x PP bundles and rank order (``plan``); Ray group creation comes with
+the Ray-layer issue."""
 
-Empty until the Ray-layer issue; the package ships now so the distribution's layout is final.
-"""
+from placement.plan import StagePlan, order_ranks, plan_stages, rank_bundle
 
-__all__: list[str] = []
+__all__ = ["StagePlan", "order_ranks", "plan_stages", "rank_bundle"]
