@@ -15,10 +15,11 @@ from hicache_ray.keys import page_hashes
 from hicache_ray.stats import ControllerStats
 from hicache_ray.tree import TreeNode
 
-__all__ = ["BACKUP_FAILED", "NO_FAILURE", "Acknowledger"]
+__all__ = ["BACKUP_FAILED", "BACKUP_WAITING", "NO_FAILURE", "Acknowledger"]
 
 NO_FAILURE = 1 << 62  # "no failed backup" in the MIN of first failures
 BACKUP_FAILED = "failed"  # TreeNode.backup of a node whose backup failed on some rank
+BACKUP_WAITING = "waiting"  # TreeNode.backup of a node whose parent has no host copy yet
 
 
 class Acknowledger:
@@ -84,15 +85,18 @@ class Acknowledger:
         """Back up ``node`` after any ancestors not backed up yet (parents first).
 
         An ancestor without a backup is usually a piece of the same write that a later
-        match split off; one without a completed host copy is a gap: nothing is stored.
+        match split off. One without a completed host copy (under write_back, a parent still
+        only on the device) is a gap: the node waits, and is backed up once that ancestor's
+        own backup succeeds.
         """
         tree = self._cache.tree
         if node.host_pages is None or node.backup is not None or node.parent is None:
             return
         chain = []
         ancestor = node
-        while ancestor is not tree.root and ancestor.backup is None:
+        while ancestor is not tree.root and ancestor.backup in (None, BACKUP_WAITING):
             if not ancestor.backuped:
+                node.backup = BACKUP_WAITING
                 self._stats.backup_skipped_gap += 1
                 return
             chain.append(ancestor)
@@ -117,6 +121,10 @@ class Acknowledger:
         if ok:
             self._stats.backed_up_pages += len(task.hashes)
             self._stats.backup_bytes += task.num_bytes
+            for child in list(node.children.values()):
+                if child.backup == BACKUP_WAITING:  # its gap just closed
+                    child.backup = None
+                    self._submit_backup(child)
             return
         if task.failure == "parent_not_stored":
             self._stats.backup_skipped_gap += 1

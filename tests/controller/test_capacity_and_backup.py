@@ -158,3 +158,24 @@ def test_an_arrival_identical_to_the_last_exchange_is_still_admitted() -> None:
     result = ctl.step([Arrival("q1", [7])])
     assert [a.rid for a in result.arrivals] == ["q1"] and list(ctl.requests.known) == ["q1"]
     ctl.close()
+
+
+def test_write_back_backs_up_a_child_once_its_parent_is_stored() -> None:
+    objects = MemoryObjects()
+    config = controller_config(write_policy="write_back", device_tokens=128)
+    ctl = make_controller(config, KV, objects)
+    parent = prompt(12, 40)
+    child = parent + prompt(13, 16)
+    run_request(ctl, "a", parent)
+    run_request(ctl, "b", child)  # a 4-page child node under the 10-page parent
+    tree = ctl.cache.tree
+    free = ctl.cache.device_pool.allocator.free
+    free(tree.evict_device(4, ctl.cache._write_back))  # only the child leaves the device
+    drain(ctl)
+    assert stored_pages(objects, child) == [False] * 14  # waiting: its parent is not stored
+    free(tree.evict_device(10, ctl.cache._write_back))  # now the parent is written back
+    drain(ctl)
+    assert stored_pages(objects, child) == [True] * 14  # the parent, then the child
+    assert ctl.stats().backup_skipped_gap == 1
+    ctl.check_integrity()
+    ctl.close()
