@@ -103,10 +103,6 @@ class RankRuntime:
             raise ValueError("requests are submitted on rank 0")
         self._queue.append(request)
 
-    @property
-    def idle(self) -> bool:
-        return not (self._queue or self._requests or self._running)
-
     def _check(self, r: GenerateRequest) -> str | None:
         vocab = self.model.config.vocab_size
         if not r.tokens:

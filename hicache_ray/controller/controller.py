@@ -94,28 +94,22 @@ class CacheController:
             host_budget_bytes=host_budget_bytes,
             num_copy_workers=num_copy_workers,
         )
-        self.plan = plan_shard(kv, config) if config.storage.backend != "none" else None
-        self._owns_storage = storage is None and self.plan is not None
-        if storage is None and self.plan is not None:
-            storage = create_backend(config.storage, self.plan)
-        self.storage = storage
-        if storage is not None and self.plan is None:
+        self._owns_storage = storage is None and config.storage.backend != "none"
+        self.plan = None
+        if storage is not None or self._owns_storage:
             self.plan = plan_shard(kv, config)
+        if self._owns_storage:
+            storage = create_backend(config.storage, self.plan)  # type: ignore[arg-type]
+        self.storage = storage
         self.stats_ = ControllerStats(cache=self.cache.counters)
-        batch = config.storage.batch_size_pages
-        host = self.cache.host_pool
-        self.prefetch = (
-            PrefetchPipeline(storage, self.plan, host, batch)  # type: ignore[arg-type]
-            if storage is not None
-            else None
-        )
-        backup = (
-            BackupPipeline(storage, self.plan, host, batch)  # type: ignore[arg-type]
-            if storage is not None
-            else None
-        )
-        self.backup = backup
-        self.acks = Acknowledger(self.cache, backup, config.storage.tenant_salt, self.stats_)
+        self.prefetch: PrefetchPipeline | None = None
+        self.backup: BackupPipeline | None = None
+        if storage is not None and self.plan is not None:
+            batch, host = config.storage.batch_size_pages, self.cache.host_pool
+            self.prefetch = PrefetchPipeline(storage, self.plan, host, batch)
+            self.backup = BackupPipeline(storage, self.plan, host, batch)
+        salt = config.storage.tenant_salt
+        self.acks = Acknowledger(self.cache, self.backup, salt, self.stats_)
         self.requests = RequestState(self, clock)
         self._step = 0
         self._failed_since_step = False
