@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hicache_ray.bench.report import Figure, figure, time_into
+from hicache_ray.bench.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
 from hicache_ray.controller import (
     Arrival,
@@ -36,7 +36,7 @@ from hicache_ray.controller import (
     start_rendezvous,
 )
 from hicache_ray.keys import plan_shard
-from hicache_ray.layout import ModelKV, Shard, ShardKV
+from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.storage import MemoryObjects, PagedBackend
 
 __all__ = ["ConsensusOptions", "consensus_figures", "fetch_figures"]
@@ -88,8 +88,7 @@ def _rank(rank: int, world: int, ports: Any, out: Any, opts: ConsensusOptions) -
     else:
         port = ports.get(timeout=opts.timeout_s)
         consensus = GlooConsensus(rank, world, "127.0.0.1", port, timeout_s=opts.timeout_s)
-    model = ModelKV(num_layers=2, num_kv_heads=world, head_dim=8, dtype="float16")
-    kv = ShardKV(model=model, shard=Shard(tp_rank=rank, tp_size=world), page_size=16)
+    kv = fp16_kv(2, world, 8, 16, Shard(tp_rank=rank, tp_size=world))
     ctl = _controller(kv, _config(16, 64, head_group=1), MemoryObjects(), consensus)
     arrivals = [Arrival(f"r{i}", list(range(i, i + 64))) for i in range(opts.running_requests)]
     ctl.step(arrivals if rank == 0 else [])
@@ -191,10 +190,7 @@ def _result(out: Any, procs: list[Any], timeout_s: float) -> Any:
 def fetch_figures(
     opts: ConsensusOptions, device: torch.device, log: Callable[[str], None]
 ) -> list[Figure]:
-    model = ModelKV(
-        num_layers=opts.fetch_layers, num_kv_heads=opts.fetch_heads, head_dim=128, dtype="float16"
-    )
-    kv = ShardKV(model=model, shard=Shard(), page_size=64)
+    kv = fp16_kv(opts.fetch_layers, opts.fetch_heads, 128, 64)
     n = opts.fetch_pages
     nbytes = n * kv.page_bytes
     log(f"fetch: {n} pages ({nbytes / 2**20:.0f} MiB) L3 -> L2 -> L1, cold pools each time")

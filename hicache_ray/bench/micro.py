@@ -20,8 +20,7 @@ from functools import partial
 
 import torch
 
-from hicache_ray.bench.report import Figure, figure, time_into
-from hicache_ray.layout import ModelKV, Shard, ShardKV
+from hicache_ray.bench.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.memory import DevicePool, HostPool, PageAllocator, Transfer, TransferEngine
 from hicache_ray.tree import HiRadixTree
 from hicache_ray.tree.tokens import encode_tokens
@@ -71,13 +70,7 @@ def _round_trip(
 def transfer_figures(
     opts: MicroOptions, device: torch.device, log: Callable[[str], None]
 ) -> list[Figure]:
-    model = ModelKV(
-        num_layers=opts.num_layers,
-        num_kv_heads=opts.num_kv_heads,
-        head_dim=opts.head_dim,
-        dtype="float16",
-    )
-    kv = ShardKV(model=model, shard=Shard(), page_size=opts.page_size)
+    kv = fp16_kv(opts.num_layers, opts.num_kv_heads, opts.head_dim, opts.page_size)
     n = opts.pages_per_transfer
     nbytes = n * kv.page_bytes
     dev = DevicePool(kv, 3 * n, device)

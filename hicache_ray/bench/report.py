@@ -22,6 +22,8 @@ import msgspec
 import psutil
 import torch
 
+from hicache_ray.layout import ModelKV, Shard, ShardKV
+
 __all__ = ["Figure", "Machine", "Report", "figure", "machine_info", "time_into"]
 
 
@@ -122,6 +124,16 @@ def machine_info() -> Machine:
         ray=ray_version,
         accelerator=accel,
     )
+
+
+def fp16_kv(
+    num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, shard: Shard | None = None
+) -> ShardKV:
+    """The float16 KV shard of a benchmark model (one rank unless ``shard`` says otherwise)."""
+    model = ModelKV(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float16"
+    )
+    return ShardKV(model=model, shard=shard or Shard(), page_size=page_size)
 
 
 def time_into(fn: Callable[[], object], samples: list[float]) -> None:

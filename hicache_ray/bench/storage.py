@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from hicache_ray.bench.report import Figure, figure, time_into
+from hicache_ray.bench.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.config import (
     CacheConfig,
     FileStorageOptions,
@@ -30,7 +30,6 @@ from hicache_ray.config import (
     StorageConfig,
 )
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
-from hicache_ray.layout import ModelKV, Shard, ShardKV
 from hicache_ray.memory.host_pool import byte_view
 from hicache_ray.storage import StorageBackend, create_backend
 from hicache_ray.storage.file_objects import open_filesystem
@@ -74,13 +73,7 @@ def hash_figure(opts: StorageBenchOptions) -> Figure:
 
 
 def _plan(opts: StorageBenchOptions, config: StorageConfig) -> ShardPlan:
-    model = ModelKV(
-        num_layers=opts.num_layers,
-        num_kv_heads=opts.num_kv_heads,
-        head_dim=opts.head_dim,
-        dtype="float16",
-    )
-    kv = ShardKV(model=model, shard=Shard(), page_size=opts.page_size)
+    kv = fp16_kv(opts.num_layers, opts.num_kv_heads, opts.head_dim, opts.page_size)
     memory = MemoryConfig(page_size=opts.page_size, device_tokens=opts.page_size)
     return plan_shard(kv, CacheConfig(memory=memory, storage=config))
 

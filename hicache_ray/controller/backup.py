@@ -38,7 +38,7 @@ def lower_priority(niceness: int = 10) -> None:
 
 
 class BackupTask:
-    """Store one node's pages. Set by the worker: ``stored_pages``, ``failure``, ``done``."""
+    """Store one node's pages. Set by the worker: ``stored_pages``, ``failure``, ``finished``."""
 
     def __init__(
         self, node: TreeNode, hashes: list[str], host_pages: list[int], parent: BackupTask | None
@@ -51,8 +51,11 @@ class BackupTask:
         self.skipped_pages = 0  # already in storage
         self.num_bytes = 0
         self.failure: str | None = None
-        self.done = False
-        self.finished = threading.Event()
+        self.finished = threading.Event()  # set once the worker is done with the task
+
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
 
     @property
     def ok(self) -> bool:
@@ -62,7 +65,6 @@ class BackupTask:
     def already_stored(cls, node: TreeNode) -> BackupTask:
         """The record of a node whose pages came from storage (nothing to write)."""
         task = cls(node, [], [], None)
-        task.done = True
         task.finished.set()
         return task
 
@@ -89,7 +91,6 @@ class BackupWorker(threading.Thread):
                 log.warning("backup failed: %s", exc)
                 task.failure = "write_failed"
             finally:
-                task.done = True
                 task.finished.set()
 
     def _store(self, task: BackupTask) -> None:

@@ -39,7 +39,7 @@ class FetchTask:
 
     Set by the scheduler thread: ``host_pages`` for pages ``[read_start, read_end)``.
     Set by the workers: ``hashes``, ``local_total`` (-1 until the query finished),
-    ``pages_read`` (leading pages valid in L2, from ``read_start``), ``read_done``,
+    ``pages_read`` (leading pages valid in L2, from ``read_start``), ``read_finished``,
     ``failure`` (why reading stopped early).
     """
 
@@ -54,7 +54,6 @@ class FetchTask:
         self.read_start = self.read_end = start_page
         self.pages_read = start_page
         self.read_started = False
-        self.read_done = False
         self.cancelled = False
         self.failure: str | None = None
         self.queried = threading.Event()
@@ -63,7 +62,7 @@ class FetchTask:
     @property
     def settled(self) -> bool:
         """No worker will touch ``host_pages`` again."""
-        return not self.read_started or self.read_done
+        return not self.read_started or self.read_finished.is_set()
 
 
 class QueryWorker(threading.Thread):
@@ -118,7 +117,6 @@ class ReadWorker(threading.Thread):
                 log.warning("prefetch read failed: %s", exc)
                 task.failure = "read_failed"
             finally:
-                task.read_done = True
                 task.read_finished.set()
 
     def _stage(self, spare: Iterator[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
