@@ -1,6 +1,8 @@
-"""Ray actors (thin wrappers over the core): rank actors, object-store L3 owners, Deployment.
+"""Ray actors (thin wrappers over the core): the object-store L3, rank actors, Deployment.
 
-Empty until the Ray-layer issue; the package ships now so the distribution's layout is final.
+Importing this package registers the ``ray`` storage backend.
 """
 
-__all__: list[str] = []
+from actors.ray_store import NAMESPACE, RayObjects, clear_store, store_stats
+
+__all__ = ["NAMESPACE", "RayObjects", "clear_store", "store_stats"]

@@ -109,7 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     storage = bench_sub.add_parser("storage", help="page hashing; L3 put/get/exists throughput")
     common(storage)
     storage.add_argument(
-        "--backend", action="append", choices=["memory", "file"], help="repeatable; default both"
+        "--backend",
+        action="append",
+        choices=["memory", "file", "ray"],
+        help="repeatable; default memory and file (ray starts a local Ray if none runs)",
     )
     storage.add_argument("--root", help="file backend root (directory or URI); default a temp dir")
     storage.add_argument("--quick", action="store_true", help="small pages, for smoke tests")

@@ -26,6 +26,7 @@ __all__ = [
     "MemoryStorageOptions",
     "PrefetchConfig",
     "PrefetchPolicy",
+    "RayStorageOptions",
     "StorageConfig",
     "WriteConfig",
     "WritePolicy",
@@ -281,6 +282,40 @@ class FileStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
         _check_not_negative("file.metadata_ttl_s", self.metadata_ttl_s)
 
 
+class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Options of the ``ray`` backend (pages in the Ray object store, see ``actors``).
+
+    Attributes:
+        name: the store's name; deployments naming the same store (in the same Ray
+            cluster) share its pages. Its shard actors are ``hicache-l3-{name}-{i}`` in
+            the Ray namespace ``hicache``.
+        num_shards: index shards (one detached actor each); every user of a store must
+            agree on it (checked when connecting).
+        capacity_bytes: most bytes the store keeps in the object store, split evenly
+            over the shards; least recently used objects are dropped past it; 0 means
+            no limit (then only Ray's own object store capacity bounds it).
+        object_bytes: pages of one put are grouped into objects of about this size.
+        timeout_s: how long one call to a shard or one object fetch may take before the
+            batch counts as failed (a miss, never an error to the request).
+    """
+
+    name: str = "default"
+    num_shards: int = 4
+    capacity_bytes: int = 0
+    object_bytes: int = 8 << 20
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(
+                "ray.name", self.name, "not a plain name", "use letters, digits, '-' and '_'"
+            )
+        _check_positive("ray.num_shards", self.num_shards)
+        _check_not_negative("ray.capacity_bytes", self.capacity_bytes)
+        _check_positive("ray.object_bytes", self.object_bytes)
+        _check_positive("ray.timeout_s", self.timeout_s)
+
+
 class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     """L3 settings: backend, key namespace and batching.
 
@@ -296,6 +331,7 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
             0 means "only this TP size" (logged at start-up).
         memory: options of the ``memory`` backend.
         file: options of the ``file`` backend.
+        ray: options of the ``ray`` backend.
         faults: fault-injection rules applied to the backend's stored objects (tests,
             ``bench faults``, soak runs); empty in production.
         fault_seed: seed of the generator that decides which calls are hit.
@@ -311,6 +347,7 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     tp_lcm_size: int = 0
     memory: MemoryStorageOptions = msgspec.field(default_factory=MemoryStorageOptions)
     file: FileStorageOptions = msgspec.field(default_factory=FileStorageOptions)
+    ray: RayStorageOptions = msgspec.field(default_factory=RayStorageOptions)
     faults: tuple[Fault, ...] = ()
     fault_seed: int = 0
 

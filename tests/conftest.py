@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +17,26 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 torch.set_num_threads(2)
 
 CPU = torch.device("cpu")
+RAY_CPUS = 8  # logical CPUs of the shared local Ray (a TP=4 and a TP=2 deployment fit)
+
+
+@pytest.fixture
+def ray_local() -> Iterator[None]:
+    """A local Ray shared by every test that asks for it; started on first use (again
+    after a module that ran its own cluster) and shut down at the end of the session."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shut_ray_down() -> Iterator[None]:
+    yield
+    import sys
+
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
 
 
 def make_kv(

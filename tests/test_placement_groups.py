@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from placement.groups import PlacementError, acquire_groups, release_groups
@@ -12,16 +10,7 @@ from placement.plan import plan_stages
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def test_stages_are_placed_and_ranks_ordered(local_ray: None) -> None:
+def test_stages_are_placed_and_ranks_ordered(ray_local: None) -> None:
     groups = acquire_groups(plan_stages(2, 2), timeout_s=60)
     try:
         assert groups.owned and len(groups.groups) == 2
@@ -33,7 +22,7 @@ def test_stages_are_placed_and_ranks_ordered(local_ray: None) -> None:
     assert groups.groups == []
 
 
-def test_an_unplaceable_plan_names_what_is_missing_and_leaves_nothing(local_ray: None) -> None:
+def test_an_unplaceable_plan_names_what_is_missing_and_leaves_nothing(ray_local: None) -> None:
     before = len(ray.util.placement_group_table())
     with pytest.raises(PlacementError, match=r"GPU: need 2, cluster has 0"):
         acquire_groups(plan_stages(2, 1, gpus_per_rank=1), timeout_s=1)
@@ -41,7 +30,7 @@ def test_an_unplaceable_plan_names_what_is_missing_and_leaves_nothing(local_ray:
     assert all(t["state"] == "REMOVED" for t in list(tables)[before:])
 
 
-def test_a_caller_running_in_a_group_reuses_it(local_ray: None) -> None:
+def test_a_caller_running_in_a_group_reuses_it(ray_local: None) -> None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     outer = ray.util.placement_group([{"CPU": 1.0}, {"CPU": 1.0}], strategy="PACK")

@@ -3,8 +3,11 @@
 Each backend stores batches of page objects (the plan of one TP=1 rank) and is timed
 beside a ceiling measured in the same run on the same bytes: for ``file``, raw pyarrow
 writes and reads of files of the same payloads on the same filesystem (no header, checksum,
-temporary name or verification); for ``memory``, a plain copy of the same bytes. Ceilings
-and backend runs are interleaved so machine noise hits both alike.
+temporary name or verification); for ``memory``, a plain copy of the same bytes; for
+``ray``, ``ray.put`` of the same payloads grouped into objects of the same size and
+``ray.get`` of them copied into the same buffers (one thread; no index, ownership transfer
+or verification). Ceilings and backend runs are interleaved so machine noise hits both
+alike. The ``ray`` backend needs a Ray: the driver's, or a local one started here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from hicache_ray.config import (
     CacheConfig,
     FileStorageOptions,
     MemoryConfig,
+    RayStorageOptions,
     StorageConfig,
 )
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
@@ -118,6 +122,39 @@ class _RawMemory:
         self.stored.clear()
 
 
+class _RawRay:
+    """The ceiling of the ray backend: the same payloads in objects of the same size."""
+
+    def __init__(self, object_bytes: int) -> None:
+        import ray
+
+        self.ray = ray
+        self.object_bytes = object_bytes
+        self.stored: dict[str, tuple[object, int]] = {}
+
+    def write(self, names: list[str], payloads: list[memoryview]) -> None:
+        group: list[int] = []
+        for i in range(len(names) + 1):
+            size = sum(payloads[j].nbytes for j in group)
+            if group and (i == len(names) or size + payloads[i].nbytes > self.object_bytes):
+                ref = self.ray.put([np.frombuffer(payloads[j], dtype=np.uint8) for j in group])
+                self.stored.update((names[j], (ref, k)) for k, j in enumerate(group))
+                group = []
+            group.append(i)
+
+    def read(self, names: list[str], outs: list[memoryview]) -> None:
+        refs = list({id(self.stored[n][0]): self.stored[n][0] for n in names}.values())
+        objects: dict[int, list[np.ndarray]] = dict(
+            zip(map(id, refs), self.ray.get(refs), strict=True)  # type: ignore[arg-type]
+        )
+        for name, out in zip(names, outs, strict=True):
+            ref, k = self.stored[name]
+            np.copyto(np.frombuffer(out, dtype=np.uint8), objects[id(ref)][k])
+
+    def clear(self) -> None:
+        self.stored.clear()
+
+
 def _backend_figures(
     name: str, opts: StorageBenchOptions, root: str, log: Callable[[str], None]
 ) -> list[Figure]:
@@ -125,6 +162,7 @@ def _backend_figures(
         backend=name,
         model_id="bench/storage",
         file=FileStorageOptions(root=root or "unused", scan_on_start=False),
+        ray=RayStorageOptions(name=f"bench-{os.getpid()}"),
     )
     plan = _plan(opts, config)
     n, shape = opts.batch_pages, plan.objects[0].shape
@@ -134,7 +172,13 @@ def _backend_figures(
     payloads = [byte_view(p) for p in pages]
     out_views = [byte_view(o) for o in outs]
     nbytes = sum(p.nbytes for p in payloads)
-    raw = _RawFiles(root) if name == "file" else _RawMemory()
+    raw = (
+        _RawFiles(root)
+        if name == "file"
+        else _RawRay(config.ray.object_bytes)
+        if name == "ray"
+        else _RawMemory()
+    )
     backend: StorageBackend = create_backend(config, plan)
     log(f"storage {name}: {opts.repeats} x {n} pages of {nbytes / n / 2**20:.2f} MiB")
     samples: dict[str, list[float]] = {k: [] for k in ("raw_put", "put", "raw_get", "get")}
@@ -164,13 +208,22 @@ def _backend_figures(
     def gbps(key: str) -> float:
         return nbytes / statistics.median(samples[key]) / 1e9
 
-    target = 0.8 if name == "file" else None
+    get_target = {"file": 0.8, "ray": 0.7}.get(name)
+    put_target = 0.8 if name == "file" else None  # ray: two copies (see the README)
     return [
         figure(
-            f"storage.{name}.put.gbps", gbps("put"), "GB/s", ceiling=gbps("raw_put"), target=target
+            f"storage.{name}.put.gbps",
+            gbps("put"),
+            "GB/s",
+            ceiling=gbps("raw_put"),
+            target=put_target,
         ),
         figure(
-            f"storage.{name}.get.gbps", gbps("get"), "GB/s", ceiling=gbps("raw_get"), target=target
+            f"storage.{name}.get.gbps",
+            gbps("get"),
+            "GB/s",
+            ceiling=gbps("raw_get"),
+            target=get_target,
         ),
         figure(
             f"storage.{name}.exists128_us",
@@ -204,16 +257,45 @@ def run_storage_bench(
     opts: StorageBenchOptions, log: Callable[[str], None] = print
 ) -> list[Figure]:
     figures = [hash_figure(opts)]
-    for name in opts.backends:
-        if name == "file" and not opts.root:
-            # NOTE: memory-backed when possible, so disk write-back (which comes and goes
-            # with the page cache's dirty limits) does not swamp the comparison.
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            tmp = tempfile.mkdtemp(prefix="hicache-bench-", dir=shm)
-            try:
-                figures += _backend_figures(name, opts, tmp, log)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            figures += _backend_figures(name, opts, opts.root, log)
+    started_ray = "ray" in opts.backends and _ensure_ray()
+    try:
+        for name in opts.backends:
+            figures += _run_backend(name, opts, log)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     return figures
+
+
+def _ensure_ray() -> bool:
+    """Connect the ``ray`` backend: register it, start a local Ray if none is running
+    (returns whether this call started it)."""
+    import ray
+
+    import actors  # noqa: F401 - registers the backend
+
+    if ray.is_initialized():
+        return False
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def _run_backend(name: str, opts: StorageBenchOptions, log: Callable[[str], None]) -> list[Figure]:
+    if name == "file" and not opts.root:
+        # NOTE: memory-backed when possible, so disk write-back (which comes and goes
+        # with the page cache's dirty limits) does not swamp the comparison.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        tmp = tempfile.mkdtemp(prefix="hicache-bench-", dir=shm)
+        try:
+            return _backend_figures(name, opts, tmp, log)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        return _backend_figures(name, opts, opts.root, log)
+    finally:
+        if name == "ray":
+            from actors.ray_store import clear_store
+
+            clear_store(RayStorageOptions(name=f"bench-{os.getpid()}"))

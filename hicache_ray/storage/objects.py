@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
@@ -22,7 +22,10 @@ from hicache_ray.storage.page_format import (
     header_length,
 )
 
-__all__ = ["MemoryObjects", "ObjectStore", "split_object"]
+__all__ = ["MemoryObjects", "ObjectStore", "ReadOutcome", "split_object"]
+
+# One object's read: header and payload checksum (None: not hashed), an error, or absent.
+ReadOutcome = tuple[bytes, str | None] | Exception | None
 
 
 class ObjectStore(ABC):
@@ -30,6 +33,9 @@ class ObjectStore(ABC):
 
     ``parallel_reads``: whether a batch reads several objects at once (on reader threads);
     false where reads are memory copies that one thread already saturates.
+    The ``*_many`` methods are what :class:`~hicache_ray.storage.batched.BatchedBackend`
+    calls: a remote store answers a whole batch in one round trip; the defaults loop over
+    the per-key methods.
     """
 
     parallel_reads = True
@@ -64,6 +70,42 @@ class ObjectStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; safe to call twice."""
+
+    def size_many(self, keys: Sequence[str]) -> list[int | Exception | None]:
+        """:meth:`size` of each key; an exception in place of a size when its lookup failed."""
+        out: list[int | Exception | None] = []
+        for key in keys:
+            try:
+                out.append(self.size(key))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+        """:meth:`read` of leading keys into ``outs``; may stop after the first key that is
+        absent or fails (the list is then shorter than ``keys``)."""
+        found: list[ReadOutcome] = []
+        for key, out in zip(keys, outs, strict=True):
+            try:
+                found.append(self.read(key, out))
+            except Exception as exc:
+                found.append(exc)
+            if not isinstance(found[-1], tuple):
+                break
+        return found
+
+    def write_many(
+        self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
+    ) -> list[Exception | None]:
+        """:meth:`write` of each key; the error of each failed write, None for success."""
+        errors: list[Exception | None] = []
+        for key, header, payload in zip(keys, headers, payloads, strict=True):
+            try:
+                self.write(key, header, payload)
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+        return errors
 
 
 def split_object(data: bytes | memoryview, out: memoryview) -> tuple[bytes, str]:

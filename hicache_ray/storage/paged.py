@@ -37,12 +37,13 @@ from hicache_ray.storage.page_format import (
     verify,
 )
 
-__all__ = ["PagedBackend"]
+__all__ = ["HashedRead", "PagedBackend", "make_header"]
 
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 2  # objects read at once by one get (reader threads)
-_ReadOutcome = tuple[bytes, str] | Exception | None  # header and checksum; error; absent
+# A verified-to-be read: header and payload checksum; an error; absent.
+HashedRead = tuple[bytes, str] | Exception | None
 
 
 class _Entry:
@@ -120,7 +121,7 @@ class PagedBackend(StorageBackend):
                     return i
             return len(keys)
         jobs = iter(zip(keys, buffers, strict=True))
-        running: deque[Future[_ReadOutcome]] = deque()
+        running: deque[Future[HashedRead]] = deque()
 
         def submit_next() -> None:
             job = next(jobs, None)
@@ -143,7 +144,7 @@ class PagedBackend(StorageBackend):
                 if not read.cancel():
                     read.exception()  # wait: the reader may still be writing its buffer
 
-    def _read_one(self, key: str, buf: torch.Tensor) -> _ReadOutcome:
+    def _read_one(self, key: str, buf: torch.Tensor) -> HashedRead:
         """On a reader thread: read one object into ``buf`` and hash its payload."""
         out = payload_view(buf)
         try:
@@ -155,7 +156,7 @@ class PagedBackend(StorageBackend):
         header, digest = found
         return header, digest if digest is not None else checksum(out)
 
-    def _accept(self, key: str, buf: torch.Tensor, outcome: _ReadOutcome) -> bool:
+    def _accept(self, key: str, buf: torch.Tensor, outcome: HashedRead) -> bool:
         """Verify a read page and count it; else handle the miss, failure or corruption."""
         if outcome is None:
             with self._lock:
@@ -188,7 +189,7 @@ class PagedBackend(StorageBackend):
         # NOTE: headers (with the payload checksum) are made on a helper thread ahead of
         # the writes, so hashing page i + 1 overlaps writing page i.
         headers = [
-            self._hasher.submit(_make_header, key, self._digest, page) if is_new else None
+            self._hasher.submit(make_header, key, self._digest, page) if is_new else None
             for key, page, is_new in zip(keys, pages, new, strict=True)
         ]
         try:
@@ -211,13 +212,7 @@ class PagedBackend(StorageBackend):
         size = len(header) + payload.nbytes
         victims = self._reserve(size)
         if victims is None:
-            log.warning(
-                "storage %s: a %d-byte page exceeds capacity_bytes=%d",
-                self.name,
-                size,
-                self.capacity_bytes,
-            )
-            self._count("put_failures")
+            self._refuse_oversized(size)
             return False
         self._remove_objects(victims)
         try:
@@ -284,6 +279,15 @@ class PagedBackend(StorageBackend):
                 return False
             self._remember(key, size, now)
             return True
+
+    def _refuse_oversized(self, size: int) -> None:
+        log.warning(
+            "storage %s: a %d-byte page does not fit capacity_bytes=%d",
+            self.name,
+            size,
+            self.capacity_bytes,
+        )
+        self._count("put_failures")
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -353,7 +357,8 @@ class PagedBackend(StorageBackend):
         log.info("storage %s: found %d pages of this namespace", self.name, len(found))
 
 
-def _make_header(key: str, digest: str, page: torch.Tensor) -> tuple[bytes, memoryview]:
+def make_header(key: str, digest: str, page: torch.Tensor) -> tuple[bytes, memoryview]:
+    """The framed header of ``page`` (with its payload checksum) and its payload view."""
     payload = payload_view(page)
     return encode_header(key, digest, page, payload), payload
 

@@ -20,7 +20,14 @@ from hicache_ray.storage.file_objects import FileObjects
 from hicache_ray.storage.objects import MemoryObjects, ObjectStore
 from hicache_ray.storage.paged import PagedBackend
 
-__all__ = ["BackendFactory", "NullBackend", "backend_names", "create_backend", "register_backend"]
+__all__ = [
+    "BackendFactory",
+    "NullBackend",
+    "backend_names",
+    "create_backend",
+    "register_backend",
+    "with_faults",
+]
 
 BackendFactory = Callable[[StorageConfig, ShardPlan], StorageBackend]
 
@@ -74,12 +81,13 @@ class NullBackend(StorageBackend):
         return StorageStats(backend=self.name)
 
 
-def _with_faults(config: StorageConfig, objects: ObjectStore) -> ObjectStore:
+def with_faults(config: StorageConfig, objects: ObjectStore) -> ObjectStore:
+    """``objects`` behind the fault injector when ``config`` has fault rules."""
     return FaultyObjects(objects, config.faults, config.fault_seed) if config.faults else objects
 
 
 def _memory(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
-    objects = _with_faults(config, MemoryObjects())
+    objects = with_faults(config, MemoryObjects())
     return PagedBackend(
         "memory", objects, plan, capacity_bytes=config.memory.capacity_bytes, scan_on_start=False
     )
@@ -89,7 +97,7 @@ def _file(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
     opts = config.file
     return PagedBackend(
         "file",
-        _with_faults(config, FileObjects(opts.root)),
+        with_faults(config, FileObjects(opts.root)),
         plan,
         capacity_bytes=opts.capacity_bytes,
         metadata_ttl_s=opts.metadata_ttl_s,

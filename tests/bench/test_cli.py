@@ -41,16 +41,15 @@ def test_demo_small_passes_read_back(tmp_path: Path) -> None:
     assert by_name["demo.local.hit_tokens.l1"].value > 0
 
 
-def test_bench_storage_quick_writes_every_figure(tmp_path: Path) -> None:
+def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None) -> None:
     out = tmp_path / "storage.json"
-    assert (
-        main(["bench", "storage", "--quick", "--root", str(tmp_path / "l3"), "--json", str(out)])
-        == 0
-    )
+    root = str(tmp_path / "l3")
+    backends = ["--backend", "memory", "--backend", "file", "--backend", "ray"]
+    assert main(["bench", "storage", "--quick", *backends, "--root", root, "--json", str(out)]) == 0
     report = msgspec.json.decode(out.read_bytes(), type=Report)
     by_name = {f.name: f for f in report.figures}
     assert by_name["hash.100k_tokens_ms"].value > 0
-    for backend in ("memory", "file"):
+    for backend in ("memory", "file", "ray"):
         for op in ("put", "get"):
             f = by_name[f"storage.{backend}.{op}.gbps"]
             assert f.value > 0 and f.ceiling and f.ratio is not None

@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from hicache_ray.config import CacheConfig, MemoryConfig, StorageConfig
+from hicache_ray.config import CacheConfig, MemoryConfig, RayStorageOptions, StorageConfig
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
 from hicache_ray.layout import ModelKV, Shard, ShardKV
 from hicache_ray.storage import FileObjects, MemoryObjects, ObjectStore, PagedBackend
+from hicache_ray.storage.batched import BatchedBackend
 
-BACKENDS = ("memory", "file", "file-s3")
+# "memory-batched" runs the batched backend (the one `ray` uses) over a local store.
+BACKENDS = ("memory", "memory-batched", "file", "file-s3", "ray")
 
 
 def make_plan(*, model_id: str = "test/model", tp_lcm_size: int = 2) -> ShardPlan:
@@ -73,9 +75,16 @@ _prefixes = itertools.count()
 def object_store_factory(request, tmp_path) -> Callable[[], ObjectStore]:
     """Opens the same underlying store again on every call (a restarted process)."""
     kind = request.param
-    if kind == "memory":
+    if kind in ("memory", "memory-batched"):
         shared = MemoryObjects()
         return lambda: shared
+    if kind == "ray":
+        request.getfixturevalue("ray_local")
+        from actors.ray_store import RayObjects, clear_store
+
+        options = RayStorageOptions(name=f"contract{next(_prefixes)}", num_shards=2)
+        request.addfinalizer(lambda: clear_store(options))
+        return lambda: RayObjects(options)
     if kind == "file":
         return lambda: FileObjects(str(tmp_path / "l3"))
     endpoint = request.getfixturevalue("s3_endpoint")
@@ -87,10 +96,11 @@ BackendFactory = Callable[..., PagedBackend]
 
 
 @pytest.fixture
-def backend_factory(object_store_factory) -> BackendFactory:
+def backend_factory(request, object_store_factory) -> BackendFactory:
+    kind = request.node.callspec.params["object_store_factory"]
+    cls = BatchedBackend if kind in ("memory-batched", "ray") else PagedBackend
+
     def make(plan: ShardPlan | None = None, objects: ObjectStore | None = None, **kwargs):
-        return PagedBackend(
-            "test", objects or object_store_factory(), plan or make_plan(), **kwargs
-        )
+        return cls("test", objects or object_store_factory(), plan or make_plan(), **kwargs)
 
     return make

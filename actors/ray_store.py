@@ -1,0 +1,307 @@
+"""The ``ray`` storage backend: verified pages in the Ray object store, shared cluster-wide.
+
+:class:`RayObjects` is the client side of a store made of ``num_shards`` named detached
+:class:`~actors.l3_shard.PageShard` actors (``hicache-l3-{name}-{i}`` in the Ray namespace
+``hicache``), created by the first user and found by name by every later one, in any job.
+A key belongs to shard ``xxh64(key) % num_shards``. Every batch makes one call per shard
+involved, all shards at once: ``size_many`` asks ``sizes``, ``write_many`` sends each shard
+its pages (grouped into objects of about ``object_bytes``), ``read_many`` asks ``locate``
+for object references, fetches the objects (zero-copy on the same node; Ray moves them
+across nodes) and copies each payload into the caller's buffer while hashing it.
+
+Failures are misses: a shard that does not answer within ``timeout_s`` or died fails its
+keys (the batch stops there; a restarted shard comes back empty); an object that is lost
+or whose owner died reads as absent and its keys are dropped from the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import ray
+import xxhash
+from ray.exceptions import RayActorError, RayError
+
+from actors.l3_shard import PageShard
+from hicache_ray.config import RayStorageOptions, StorageConfig
+from hicache_ray.errors import ConfigError
+from hicache_ray.keys import ShardPlan
+from hicache_ray.storage import StorageBackend, register_backend
+from hicache_ray.storage.batched import BatchedBackend
+from hicache_ray.storage.objects import ObjectStore, ReadOutcome
+from hicache_ray.storage.page_format import (
+    PREFIX_BYTES,
+    CorruptPage,
+    copy_hashed,
+    header_length,
+)
+from hicache_ray.storage.registry import with_faults
+
+__all__ = ["NAMESPACE", "RayObjects", "clear_store", "store_stats"]
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "hicache"  # Ray namespace of the shard actors: every job finds them by name
+_COPY_THREADS = 2  # payload copies (and checksums) of one read run on this many threads
+_Shard = ray.remote(PageShard)
+
+
+def _shard_handle(opts: RayStorageOptions, index: int) -> Any:
+    return _Shard.options(
+        name=f"hicache-l3-{opts.name}-{index}",
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,  # a crashed shard comes back (empty: its objects died with it)
+        max_concurrency=8,
+        scheduling_strategy="DEFAULT",  # never inside the caller's placement group
+    ).remote(opts.num_shards, opts.capacity_bytes // opts.num_shards)
+
+
+class RayObjects(ObjectStore):
+    """Client of the shard actors of store ``options.name`` (see the module docstring)."""
+
+    parallel_reads = False
+
+    def __init__(self, options: RayStorageOptions) -> None:
+        if not ray.is_initialized():
+            raise ConfigError(
+                "storage_backend",
+                "ray",
+                "Ray is not initialized in this process",
+                "call ray.init() first, or run inside a Ray actor or job",
+            )
+        self.options = options
+        self._lock = threading.Lock()
+        self._shards = [_shard_handle(options, i) for i in range(options.num_shards)]
+        self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-ray-copy")
+        found = self._call(0, "describe")
+        if found["num_shards"] != options.num_shards:
+            raise ConfigError(
+                "ray.num_shards",
+                options.num_shards,
+                f"store {options.name!r} was created with {found['num_shards']} shards",
+                "use the store's shard count, or another ray.name",
+            )
+
+    # ------------------------------------------------------------- batches
+
+    def size_many(self, keys: Sequence[str]) -> list[int | Exception | None]:
+        out: list[int | Exception | None] = [None] * len(keys)
+        for idx, answer in self._fan_out(keys, "sizes"):
+            for i, value in zip(idx, _spread(answer, len(idx)), strict=True):
+                out[i] = value
+        return out
+
+    def write_many(
+        self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
+    ) -> list[Exception | None]:
+        errors: list[Exception | None] = [None] * len(keys)
+        chunks = []  # (shard, key indices) of at most ~object_bytes each
+        for shard, idx in self._by_shard(keys).items():
+            chunk: list[int] = []
+            size = 0
+            for i in idx:
+                if chunk and size + payloads[i].nbytes > self.options.object_bytes:
+                    chunks.append((shard, chunk))
+                    chunk, size = [], 0
+                chunk.append(i)
+                size += payloads[i].nbytes
+            chunks.append((shard, chunk))
+        calls = []
+        for shard, idx in chunks:
+            items: list[Any] = []
+            for i in idx:
+                items += [headers[i], np.frombuffer(payloads[i], dtype=np.uint8)]
+            calls.append((shard, idx, self._remote(shard, "put", [keys[i] for i in idx], items)))
+        for shard, idx, ref in calls:
+            answer = self._wait(shard, ref)
+            for i, ok in zip(idx, _spread(answer, len(idx)), strict=True):
+                if isinstance(ok, Exception):
+                    errors[i] = ok
+                elif not ok:
+                    errors[i] = OSError(f"store {self.options.name!r} shard {shard} is full")
+        return errors
+
+    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+        where: list[Any] = [None] * len(keys)
+        for idx, answer in self._fan_out(keys, "locate"):
+            if isinstance(answer, Exception):
+                places = _spread(answer, len(idx))
+            else:
+                refs, found = answer
+                places = [p if p is None else (refs[p[0]], p[1]) for p in found]
+            for i, value in zip(idx, places, strict=True):
+                where[i] = value
+        lead = 0  # the leading keys found: only they are fetched
+        while lead < len(keys) and isinstance(where[lead], tuple):
+            lead += 1
+        objects = self._fetch([where[i][0] for i in range(lead)])
+        jobs = []
+        for i in range(lead):
+            obj = objects.get(where[i][0].hex())
+            if obj is None:  # lost, or its owner died: a miss, and its keys are dropped
+                lost = [keys[j] for j in range(i, lead) if where[j][0].hex() not in objects]
+                self.remove_many(lost)
+                break
+            jobs.append((obj, where[i][1], outs[i]))
+        outcomes: list[ReadOutcome] = (
+            list(self._copiers.map(_copy_item, jobs)) if len(jobs) > 1 else [*map(_copy_item, jobs)]
+        )
+        if len(jobs) < len(keys):  # the key that ended the batch: absent, lost or failed
+            tail = where[len(jobs)]
+            outcomes.append(tail if isinstance(tail, Exception) else None)
+        return outcomes
+
+    def remove_many(self, keys: Sequence[str]) -> None:
+        for _ in self._fan_out(keys, "remove"):
+            pass
+
+    # ------------------------------------------------------------ per key
+
+    def write(self, key: str, header: bytes, payload: memoryview) -> None:
+        error = self.write_many([key], [header], [payload])[0]
+        if error is not None:
+            raise error
+
+    def read(self, key: str, out: memoryview) -> tuple[bytes, str | None] | None:
+        outcome = self.read_many([key], [out])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def size(self, key: str) -> int | None:
+        size = self.size_many([key])[0]
+        if isinstance(size, Exception):
+            raise size
+        return size
+
+    def remove(self, key: str) -> None:
+        self.remove_many([key])
+
+    def scan(self) -> Iterator[tuple[str, int, float]]:
+        for shard in range(len(self._shards)):
+            try:
+                yield from self._call(shard, "scan")
+            except OSError as exc:
+                log.warning("store %s: scanning shard %d failed: %s", self.options.name, shard, exc)
+
+    def close(self) -> None:
+        self._copiers.shutdown(wait=True)
+
+    # ----------------------------------------------------------- plumbing
+
+    def _by_shard(self, keys: Sequence[str]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        n = len(self._shards)
+        for i, key in enumerate(keys):
+            groups.setdefault(xxhash.xxh64_intdigest(key.encode()) % n, []).append(i)
+        return groups
+
+    def _fan_out(self, keys: Sequence[str], method: str) -> Iterator[tuple[list[int], Any]]:
+        """One call of ``method`` per shard with its keys, all in flight at once; yields
+        each shard's key indices and its answer (or an ``OSError`` when it failed)."""
+        calls = [
+            (shard, idx, self._remote(shard, method, [keys[i] for i in idx]))
+            for shard, idx in self._by_shard(keys).items()
+        ]
+        for shard, idx, ref in calls:
+            yield idx, self._wait(shard, ref)
+
+    def _remote(self, shard: int, method: str, *args: Any) -> Any:
+        with self._lock:
+            handle = self._shards[shard]
+        try:
+            return getattr(handle, method).remote(*args)
+        except RayError as exc:
+            return exc
+
+    def _wait(self, shard: int, ref: Any) -> Any:
+        if isinstance(ref, Exception):
+            return self._failed(shard, ref)
+        try:
+            return ray.get(ref, timeout=self.options.timeout_s)
+        except RayError as exc:  # includes GetTimeoutError
+            return self._failed(shard, exc)
+
+    def _failed(self, shard: int, exc: Exception) -> OSError:
+        if isinstance(exc, RayActorError):  # killed for good: find (or make) it again
+            with self._lock:
+                self._shards[shard] = _shard_handle(self.options, shard)
+        return OSError(f"store {self.options.name!r} shard {shard}: {type(exc).__name__}: {exc}")
+
+    def _call(self, shard: int, method: str, *args: Any) -> Any:
+        answer = self._wait(shard, self._remote(shard, method, *args))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def _fetch(self, refs: list[Any]) -> dict[str, list[Any]]:
+        """The objects of ``refs`` by id; a lost one is left out."""
+        unique = list({ref.hex(): ref for ref in refs}.values())
+        if not unique:
+            return {}
+        try:
+            values = ray.get(unique, timeout=self.options.timeout_s)
+            return {ref.hex(): v for ref, v in zip(unique, values, strict=True)}
+        except RayError:
+            pass
+        found = {}
+        for ref in unique:  # one by one, to tell the lost ones from the rest
+            try:
+                found[ref.hex()] = ray.get(ref, timeout=self.options.timeout_s)
+            except RayError as exc:
+                log.info("store %s: object %s is gone (%s)", self.options.name, ref.hex(), exc)
+        return found
+
+
+def _spread(answer: Any, n: int) -> list[Any]:
+    """A shard's per-key answer, or its failure repeated for each of its keys."""
+    return [answer] * n if isinstance(answer, Exception) else list(answer)
+
+
+def _copy_item(job: tuple[list[Any], int, memoryview]) -> ReadOutcome:
+    """Header body and payload checksum of one stored page, its payload copied into ``out``."""
+    obj, item, out = job
+    framed, payload = obj[item], obj[item + 1]
+    try:
+        start = PREFIX_BYTES + header_length(framed[:PREFIX_BYTES])
+        if payload.nbytes != out.nbytes:
+            raise CorruptPage(f"payload of {payload.nbytes} bytes, expected {out.nbytes}")
+    except CorruptPage as exc:
+        return exc
+    return bytes(framed[PREFIX_BYTES:start]), copy_hashed(memoryview(payload), out)
+
+
+def clear_store(options: RayStorageOptions) -> None:
+    """Drop every page of store ``options.name`` (its objects are freed)."""
+    store = RayObjects(options)
+    for shard in range(options.num_shards):
+        store._call(shard, "clear")
+    store.close()
+
+
+def store_stats(options: RayStorageOptions) -> dict[str, int]:
+    """Objects, keys and bytes of store ``options.name``, summed over its shards."""
+    store = RayObjects(options)
+    total: dict[str, int] = {}
+    for shard in range(options.num_shards):
+        for name, value in store._call(shard, "stats").items():
+            total[name] = total.get(name, 0) + value
+    store.close()
+    return total
+
+
+def _ray_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
+    # No metadata TTL: the shards are one round trip away and evict on their own.
+    objects = with_faults(config, RayObjects(config.ray))
+    return BatchedBackend("ray", objects, plan, metadata_ttl_s=0.0, scan_on_start=False)
+
+
+register_backend("ray", _ray_backend)

@@ -1,0 +1,208 @@
+"""The object-store L3 beyond the contract: ownership, grouping, batching, budget, failures."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_ray.config import RayStorageOptions, StorageConfig
+from hicache_ray.errors import ConfigError
+from hicache_ray.keys import ShardPlan
+from hicache_ray.storage import StorageBackend, create_backend
+from tests.ray_util import plasma_usage, wait_until
+from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys
+
+ray = pytest.importorskip("ray")
+ray_store = pytest.importorskip("actors.ray_store")
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def options(ray_local: None) -> Any:
+    opts = RayStorageOptions(name=f"store{next(_names)}", num_shards=2)
+    yield opts
+    ray_store.clear_store(opts)
+
+
+def _backend(opts: RayStorageOptions, plan: ShardPlan | None = None) -> StorageBackend:
+    config = StorageConfig(backend="ray", model_id="test/model", ray=opts)
+    return create_backend(config, plan or make_plan())
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@ray.remote(num_cpus=0)
+class _Writer:
+    def write(self, opts: RayStorageOptions, num_pages: int) -> int:
+        import actors  # noqa: F401 - registers the backend in this worker
+
+        plan = make_plan()
+        backend = _backend(opts, plan)
+        return backend.put(page_keys(plan, num_pages), make_pages(plan, num_pages))
+
+
+def test_pages_outlive_the_process_that_wrote_them(options) -> None:
+    writer = _Writer.remote()
+    assert ray.get(writer.write.remote(options, 6)) == 6
+    ray.kill(writer)  # its process (and anything it owned) is gone
+    plan = make_plan()
+    backend = _backend(options, plan)
+    keys = page_keys(plan, 6)
+    assert backend.exists(keys) == 6
+    out = empty_buffers(plan, 6)
+    assert backend.get(keys, out) == 6 and _equal(out, make_pages(plan, 6))
+
+
+def test_pages_of_a_batch_share_objects_of_bounded_size(options) -> None:
+    plan = make_plan()
+    page = make_pages(plan, 1)[0]
+    page_bytes = page.numel() * page.element_size()
+    _backend(options, plan).put(page_keys(plan, 16), make_pages(plan, 16))
+    stats = ray_store.store_stats(options)
+    assert stats["keys"] == 16 and stats["objects"] == 2  # one object per shard
+    small = RayStorageOptions(
+        name=f"store{next(_names)}", num_shards=2, object_bytes=page_bytes * 3
+    )
+    try:
+        _backend(small, plan).put(page_keys(plan, 16), make_pages(plan, 16))
+        stats = ray_store.store_stats(small)
+        assert stats["keys"] == 16 and 6 <= stats["objects"] <= 8  # <= 3 pages per object
+    finally:
+        ray_store.clear_store(small)
+
+
+def test_a_batch_is_one_call_per_shard(options, monkeypatch) -> None:
+    plan = make_plan()
+    backend = _backend(options, plan)
+    keys = page_keys(plan, 128)
+    backend.put(keys[:64], make_pages(plan, 64))
+    calls: list[str] = []
+    real = ray_store.RayObjects._remote
+
+    def counting(self: Any, shard: int, method: str, *args: Any) -> Any:
+        calls.append(method)
+        return real(self, shard, method, *args)
+
+    monkeypatch.setattr(ray_store.RayObjects, "_remote", counting)
+    assert backend.exists(keys) == 64
+    assert calls == ["sizes", "sizes"]
+    calls.clear()
+    assert backend.get(keys[:64], empty_buffers(plan, 64)) == 64
+    assert calls == ["locate", "locate"]
+
+
+def test_budget_evicts_whole_objects_least_recently_used(options) -> None:
+    plan = make_plan()
+    page_bytes = make_pages(plan, 1)[0].numel() * 2
+    # one shard, room for about two 4-page objects
+    opts = RayStorageOptions(
+        name=f"store{next(_names)}", num_shards=1, capacity_bytes=9 * (page_bytes + 200)
+    )
+    try:
+        backend = _backend(opts, plan)
+        batches = [page_keys(plan, 4, seed=s) for s in range(3)]
+        assert backend.put(batches[0], make_pages(plan, 4, seed=0)) == 4
+        assert backend.put(batches[1], make_pages(plan, 4, seed=1)) == 4
+        assert backend.get(batches[0], empty_buffers(plan, 4)) == 4  # batch 0 most recent
+        assert backend.put(batches[2], make_pages(plan, 4, seed=2)) == 4  # evicts batch 1
+        assert [backend.exists(b) for b in batches] == [4, 0, 4]
+        stats = ray_store.store_stats(opts)
+        assert stats["evicted_objects"] == 1 and stats["bytes"] <= opts.capacity_bytes
+        too_big = make_pages(plan, 12, seed=3)
+        assert backend.put(page_keys(plan, 12, seed=3), too_big) == 0
+        assert backend.stats().put_failures == 12
+    finally:
+        ray_store.clear_store(opts)
+
+
+def test_object_store_returns_to_baseline_after_eviction_and_clear(options) -> None:
+    baseline = plasma_usage()
+    plan = make_plan()
+    backend = _backend(options, plan)
+    for seed in range(3):
+        backend.put(page_keys(plan, 64, seed=seed), make_pages(plan, 64, seed=seed))
+    assert plasma_usage()[1] >= baseline[1] + 2
+    ray_store.clear_store(options)
+    wait_until(lambda: plasma_usage() == baseline, what="the object store to drain")
+
+
+def test_a_killed_shard_reads_as_misses_then_serves_again(options) -> None:
+    plan = make_plan()
+    backend = _backend(options, plan)
+    keys, pages = page_keys(plan, 8), make_pages(plan, 8)
+    assert backend.put(keys, pages) == 8
+    for i in range(options.num_shards):
+        shard = ray.get_actor(f"hicache-l3-{options.name}-{i}", namespace=ray_store.NAMESPACE)
+        ray.kill(shard, no_restart=False)  # restarts empty: its objects died with it
+    assert backend.get(keys, empty_buffers(plan, 8)) == 0  # a miss, never an error
+    wait_until(lambda: backend.put(keys, pages) == 8, what="the shards to come back")
+    out = empty_buffers(plan, 8)
+    assert backend.get(keys, out) == 8 and _equal(out, pages)
+
+
+def test_a_shard_removed_for_good_is_made_again(options) -> None:
+    plan = make_plan()
+    backend = _backend(options, plan)
+    keys, pages = page_keys(plan, 4), make_pages(plan, 4)
+    backend.put(keys, pages)
+    for i in range(options.num_shards):
+        shard = ray.get_actor(f"hicache-l3-{options.name}-{i}", namespace=ray_store.NAMESPACE)
+        ray.kill(shard, no_restart=True)
+    assert backend.exists(keys) == 0  # the calls fail: a miss
+    assert backend.stats().get_failures == 1
+    assert backend.put(keys, pages) == 4  # handles were found (made) again
+    assert backend.get(keys, empty_buffers(plan, 4)) == 4
+
+
+def test_a_lost_object_is_a_miss_and_leaves_the_index(options, monkeypatch) -> None:
+    plan = make_plan()
+    backend = _backend(options, plan)
+    keys, pages = page_keys(plan, 6), make_pages(plan, 6)
+    backend.put(keys[:2], pages[:2])  # keys 2.. live in other objects than keys 0 and 1
+    backend.put(keys[2:], pages[2:])
+    real = ray_store.RayObjects._fetch
+    lost: list[str] = []
+
+    def losing(self: Any, refs: list[Any]) -> dict[str, Any]:
+        found = real(self, refs)
+        lost.append(refs[2].hex())  # the object of the third key is gone
+        return {k: v for k, v in found.items() if k != lost[0]}
+
+    monkeypatch.setattr(ray_store.RayObjects, "_fetch", losing)
+    hits = backend.get(keys, empty_buffers(plan, 6))
+    monkeypatch.undo()
+    assert hits == 2
+    assert ray_store.RayObjects(options).size(keys[2]) is None  # dropped from the index
+
+
+def test_a_dead_owners_object_is_left_out(ray_local: None) -> None:
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def make(self) -> list[Any]:
+            return [ray.put(b"x" * 200_000)]
+
+    owner = Owner.remote()
+    ref = ray.get(owner.make.remote())[0]
+    ray.kill(owner)
+    store = ray_store.RayObjects(RayStorageOptions(name=f"store{next(_names)}", num_shards=1))
+    store.options = RayStorageOptions(name=store.options.name, num_shards=1, timeout_s=10)
+    assert store._fetch([ref]) == {}
+    ray_store.clear_store(store.options)
+
+
+def test_shard_count_mismatch_is_refused(options) -> None:
+    _backend(options)
+    with pytest.raises(ConfigError, match="created with 2 shards"):
+        _backend(RayStorageOptions(name=options.name, num_shards=3))
+
+
+def test_without_ray_the_error_says_what_to_do(monkeypatch) -> None:
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match=r"ray.init"):
+        ray_store.RayObjects(RayStorageOptions())

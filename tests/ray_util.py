@@ -1,0 +1,28 @@
+"""Helpers of the Ray tests: object-store usage and bounded waits."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+
+def plasma_usage() -> tuple[int, int]:
+    """(MiB, objects) in the object stores of the cluster this driver is connected to."""
+    from ray._private.internal_api import memory_summary
+
+    found = re.search(
+        r"Plasma memory usage (\d+) MiB, (\d+) objects", memory_summary(stats_only=True)
+    )
+    assert found, "the object store summary changed its format"
+    return int(found.group(1)), int(found.group(2))
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
+    """Poll ``condition`` until it holds (Ray frees objects asynchronously); fail after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
+        time.sleep(0.05)
