@@ -16,6 +16,12 @@ class ConfigError(HiCacheError, ValueError):
         super().__init__(f"{field}={value!r}: {problem}; {fix}")
         self.field = field
         self.value = value
+        self.problem = problem
+        self.fix = fix
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, object, str, str]]:
+        # Rebuilt from its fields when it crosses processes (Ray re-raises it on the caller).
+        return type(self), (self.field, self.value, self.problem, self.fix)
 
 
 class AllocatorError(HiCacheError, RuntimeError):

@@ -25,6 +25,7 @@ import torch
 from hicache_ray.cache import CacheFullError, CacheHandle
 from hicache_ray.controller import Arrival, CacheController
 from hicache_ray.model import ReferenceModel
+from hicache_ray.model.pipe import StagePipe, local_token
 
 __all__ = ["GenerateRequest", "RankRuntime", "RequestResult"]
 
@@ -78,15 +79,24 @@ class RankRuntime:
 
     Args:
         controller: this rank's cache (its consensus group spans the deployment's ranks).
-        model: this rank's share of the model (TP only; PP stages are the Ray layer's).
-        keep_logits: keep each request's first-token logits in ``first_logits`` (tests).
+        model: this rank's share of the model (its TP shard of its PP stage's layers).
+        pipe: moves hidden states between PP stages; None when one stage holds every layer.
+        keep_logits: keep each request's first-token logits in ``first_logits`` (tests;
+            the last PP stage only).
     """
 
     def __init__(
-        self, controller: CacheController, model: ReferenceModel, *, keep_logits: bool = False
+        self,
+        controller: CacheController,
+        model: ReferenceModel,
+        *,
+        pipe: StagePipe | None = None,
+        keep_logits: bool = False,
     ) -> None:
         self.ctl = controller
         self.model = model
+        self._forward = pipe.forward_token if pipe is not None else local_token
+        self.busy = False  # whether the last step left work (requests, background copies)
         self.page_size = controller.config.page_size
         self.keep_logits = keep_logits
         self.first_logits: dict[str, torch.Tensor] = {}
@@ -121,6 +131,11 @@ class RankRuntime:
 
     # ------------------------------------------------------------------ step
 
+    @property
+    def has_work(self) -> bool:
+        """Requests queued, admitted or running on this rank."""
+        return bool(self._queue or self._requests or self._running)
+
     def step(self) -> list[RequestResult]:
         """One scheduler iteration (every rank); returns the requests finished on it."""
         arrivals = []
@@ -142,6 +157,8 @@ class RankRuntime:
         for running in list(self._running):
             self._decode(running)
         done, self._done = self._done, []
+        # A request finished here started host writes the agreement has not seen yet.
+        self.busy = agreed.busy or bool(done)
         return done
 
     def _start(self, rid: str) -> None:
@@ -170,7 +187,8 @@ class RankRuntime:
             return
         ids = torch.tensor(request.tokens[cached:])
         with self.ctl.computing():
-            logits = self.model.forward(
+            token, logits = self._forward(
+                self.model,
                 ids,
                 self.ctl.cache.device_pool,
                 handle.device_pages,
@@ -179,12 +197,12 @@ class RankRuntime:
             )
         self.ctl.wait_ready(handle)  # surfaces (and counts) a failed load
         result.load_s = max((t.latency_s or 0.0 for t in loads), default=0.0)
-        if self.keep_logits:
-            self.first_logits[rid] = logits[-1].clone()
+        if self.keep_logits and logits is not None:
+            self.first_logits[rid] = logits.clone()
         running = _Running(request, handle, result)
         result.ttft_s = time.perf_counter() - admitted
         if request.max_new_tokens:
-            running.generated.append(int(logits[-1].argmax()))
+            running.generated.append(token)
         self._running.append(running)
         self._maybe_finish(running)
 
@@ -193,13 +211,14 @@ class RankRuntime:
             return
         request = running.request
         position = len(request.tokens) + len(running.generated) - 1
-        logits = self.model.forward(
+        token, _ = self._forward(
+            self.model,
             torch.tensor(running.generated[-1:]),
             self.ctl.cache.device_pool,
             running.handle.device_pages,
             position,
         )
-        running.generated.append(int(logits[-1].argmax()))
+        running.generated.append(token)
         self._maybe_finish(running)
 
     def _maybe_finish(self, running: _Running) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from hicache_ray.config import CacheConfig, MemoryConfig, WriteConfig
 from hicache_ray.layout import ModelKV, Shard, ShardKV
+from tests.ray_util import ensure_local_ray
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -17,16 +18,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 torch.set_num_threads(2)
 
 CPU = torch.device("cpu")
-RAY_CPUS = 8  # logical CPUs of the shared local Ray (a TP=4 and a TP=2 deployment fit)
 
 
 @pytest.fixture
 def ray_local() -> Iterator[None]:
     """A local Ray shared by every test that asks for it; started on first use (again
     after a module that ran its own cluster) and shut down at the end of the session."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    pytest.importorskip("ray")
+    ensure_local_ray()
     yield
 
 

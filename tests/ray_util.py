@@ -6,6 +6,17 @@ import re
 import time
 from collections.abc import Callable
 
+RAY_CPUS = 8  # logical CPUs of the shared local Ray (a TP=4 and a TP=2 deployment fit)
+
+
+def ensure_local_ray() -> None:
+    """Connect the shared local Ray (started on first use, and again after a module that
+    ran its own cluster); the session fixture in conftest shuts it down at the end."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+
 
 def plasma_usage() -> tuple[int, int]:
     """(MiB, objects) in the object stores of the cluster this driver is connected to."""

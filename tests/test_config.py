@@ -140,3 +140,11 @@ def test_bad_model() -> None:
         ModelKV(num_layers=0, num_kv_heads=1, head_dim=1)
     with pytest.raises(ConfigError, match="dtype"):
         ModelKV(num_layers=1, num_kv_heads=1, head_dim=1, dtype="int4")  # type: ignore[arg-type]
+
+
+def test_config_errors_survive_pickling() -> None:
+    import pickle
+
+    err = ConfigError("page_size", 0, "must be positive", "set it above 0")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ConfigError and str(back) == str(err) and back.field == "page_size"

@@ -118,7 +118,9 @@ class GlooConsensus(Consensus):
 
     Args:
         rank, world_size: this rank's place in the group.
-        host, port: the rendezvous store (rank 0 passes its :class:`Rendezvous` instead).
+        host, port: the rendezvous store. The process that started it passes its
+            :class:`Rendezvous` instead (as rank 0); the rank 0 of a group whose store
+            another process serves (a subgroup) connects like the others.
         timeout_s: how long a collective (and the rendezvous) may wait for a peer.
         name: the group's name, used in errors and as the store prefix (several groups can
             share one store).
@@ -138,8 +140,8 @@ class GlooConsensus(Consensus):
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside a group of {world_size}")
-        if (rank == 0) != (rendezvous is not None):
-            raise ValueError("rank 0 (and only rank 0) passes the rendezvous it started")
+        if rendezvous is not None and rank != 0:
+            raise ValueError("only rank 0 passes the rendezvous it started")
         self.name = name
         self.rank = rank
         self.world_size = world_size

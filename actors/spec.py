@@ -1,0 +1,84 @@
+"""What a deployment is made of: its shape, model, cache and the limits of its collectives."""
+
+from __future__ import annotations
+
+import msgspec
+
+from hicache_ray.config import CacheConfig
+from hicache_ray.errors import ConfigError
+from hicache_ray.model import ModelConfig, preset
+
+__all__ = ["DeploymentConfig"]
+
+
+class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """One TP x PP deployment of a model with its cache.
+
+    Attributes:
+        name: names its placement groups (``{name}-pp{stage}``) and tags its metrics;
+            unique among the deployments running in one cluster.
+        model: the model (the reference model's config; every rank draws the same weights).
+        tp_size, pp_size: tensor- and pipeline-parallel sizes; rank = pp * tp_size + tp.
+        cache: every rank's cache settings (pools, write and prefetch policies, L3).
+        cpus_per_rank: CPUs each rank reserves; its torch threads are set to this.
+        gpus_per_rank: 1 on GPU clusters (the pools and the model then live on CUDA), 0 on
+            CPU-only ones.
+        host_budget_bytes: host memory each rank may pin for its L2 pool; 0 lets the cache
+            size it from the host's free memory.
+        consensus_timeout_s: how long a cache-consensus collective waits for a peer before
+            the step fails (naming the rank) and the deployment re-forms.
+        collective_timeout_s: the same for the model's TP all-reduces and PP transfers.
+        placement_timeout_s: how long placing the ranks may take.
+        idle_step_s: while nothing is in flight, rank 0 still steps this often (progressing
+            background acknowledgements; below ``consensus_timeout_s``).
+        max_retries: how many times a request is retried after its ranks failed.
+    """
+
+    name: str = "hicache"
+    model: ModelConfig = msgspec.field(default_factory=lambda: preset("tiny"))
+    tp_size: int = 1
+    pp_size: int = 1
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: int = 0
+    host_budget_bytes: int = 0
+    consensus_timeout_s: float = 30.0
+    collective_timeout_s: float = 300.0
+    placement_timeout_s: float = 60.0
+    idle_step_s: float = 0.2
+    max_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError("name", self.name, "not a plain name", "use letters, digits, - and _")
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ConfigError(
+                "tp_size/pp_size", (self.tp_size, self.pp_size), "must be >= 1", "use 1 or more"
+            )
+        if self.model.num_kv_heads % self.tp_size:
+            raise ConfigError(
+                "tp_size",
+                self.tp_size,
+                f"does not divide the model's {self.model.num_kv_heads} KV heads",
+                "pick a TP size that divides the KV heads",
+            )
+        if self.model.num_layers < self.pp_size:
+            raise ConfigError(
+                "pp_size",
+                self.pp_size,
+                f"exceeds the model's {self.model.num_layers} layers",
+                "use at most one stage per layer",
+            )
+        if not 0 < self.idle_step_s < self.consensus_timeout_s:
+            raise ConfigError(
+                "idle_step_s",
+                self.idle_step_s,
+                f"must be positive and below consensus_timeout_s={self.consensus_timeout_s}",
+                "idle ranks wait in a collective until rank 0's next step",
+            )
+        if self.max_retries < 0:
+            raise ConfigError("max_retries", self.max_retries, "negative", "use 0 for none")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size

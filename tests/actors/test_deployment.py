@@ -1,0 +1,140 @@
+"""Deployments on a local Ray: requests sync/async, stats and health, re-forming on failure."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hicache_ray.errors import ConfigError
+from hicache_ray.runtime import GenerateRequest
+from tests.ray_util import ensure_local_ray
+
+from .deploy_util import MODEL, cache_config, prompt, recompute, store_name
+
+ray = pytest.importorskip("ray")
+actors = pytest.importorskip("actors")
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[str]:
+    name = store_name()
+    yield name
+    if ray.is_initialized():
+        actors.clear_store(cache_config(name).storage.ray)
+
+
+@pytest.fixture(scope="module")
+def tp2(store: str) -> Iterator[Any]:
+    ensure_local_ray()
+    config = actors.DeploymentConfig(
+        name="tp2",
+        model=MODEL,
+        tp_size=2,
+        cache=cache_config(store),
+        host_budget_bytes=16 << 20,
+        consensus_timeout_s=5.0,
+    )
+    deployment = actors.Deployment.launch(config)
+    yield deployment
+    deployment.shutdown()
+
+
+def _rank(deployment: Any, rank: int) -> Any:
+    name = f"hicache-{deployment.config.name}-g{deployment.generation}-rank{rank}"
+    return ray.get_actor(name, namespace="hicache")
+
+
+def test_requests_are_exact_and_reuse_the_cache(ray_local: None, tp2: Any) -> None:
+    first, second = prompt(1, 30), prompt(2, 22)
+    results = tp2.generate([GenerateRequest("a", first, 6), GenerateRequest("b", second, 6)])
+    assert [r.rid for r in results] == ["a", "b"]
+    assert results[0].output_tokens == recompute(first, 6)
+    assert results[1].output_tokens == recompute(second, 6)
+    follow = first + results[0].output_tokens + prompt(3, 5)
+    again = tp2.generate([GenerateRequest("a2", follow, 6)])[0]
+    assert again.device_hit_tokens >= 32 and again.recomputed_tokens < len(follow) - 30
+    assert again.output_tokens == recompute(follow, 6)
+
+
+def test_bad_requests_get_errors_alone(ray_local: None, tp2: Any) -> None:
+    results = tp2.generate(
+        [GenerateRequest("bad", [MODEL.vocab_size + 1], 2), GenerateRequest("ok", prompt(4, 9), 2)]
+    )
+    assert results[0].error and "vocabulary" not in (results[1].error or "")
+    assert results[1].error is None and len(results[1].output_tokens) == 2
+
+
+def test_async_and_future_submission(ray_local: None, tp2: Any) -> None:
+    tokens = prompt(5, 17)
+
+    async def both() -> list[Any]:
+        return list(
+            await asyncio.gather(
+                tp2.generate_async(GenerateRequest("x1", tokens, 4)),
+                tp2.generate_async(GenerateRequest("x2", prompt(6, 11), 4)),
+            )
+        )
+
+    r1, r2 = asyncio.run(both())
+    assert r1.output_tokens == recompute(tokens, 4) and r2.error is None
+    future = tp2.submit(GenerateRequest("x3", tokens, 4))
+    assert future.result(timeout=60).output_tokens == r1.output_tokens
+
+
+def test_stats_health_and_idle(ray_local: None, tp2: Any) -> None:
+    tp2.generate([GenerateRequest("s1", prompt(7, 24), 3)])
+    tp2.wait_idle(timeout_s=30)
+    stats = tp2.stats()
+    assert stats["tp_size"] == 2 and len(stats["ranks"]) == 2
+    for rank in stats["ranks"]:
+        ctl = rank["controller"]
+        assert ctl["steps"] > 0 and ctl["pending_backups"] == 0
+        assert rank["storage"]["backend"] == "ray" and rank["storage"]["put_pages"] > 0
+    health = tp2.health()
+    assert all(h["stepping"] and h["error"] is None for h in health)
+    for rank in range(2):
+        ray.get(_rank(tp2, rank).check_integrity.remote())
+
+
+def test_a_killed_rank_is_replaced_and_requests_retried(ray_local: None, tp2: Any) -> None:
+    tokens = prompt(8, 40)
+    tp2.generate([GenerateRequest("warm", tokens, 2)])
+    tp2.wait_idle(timeout_s=30)  # its pages are in L3 now
+    before = tp2.generation
+    future = tp2.submit(GenerateRequest("victim", tokens + prompt(9, 8), 24))
+    ray.kill(_rank(tp2, 1), no_restart=True)
+    result = future.result(timeout=120)
+    assert tp2.generation == before + 1 and tp2.reforms[-1]["seconds"] > 0
+    assert tp2.reforms[-1]["cause"].startswith(("rank 0 stopped", "a rank actor died"))
+    assert result.output_tokens == recompute(tokens + prompt(9, 8), 24)
+    # L1/L2 died with the ranks; the prefix came back from L3 (or, if the kill landed
+    # before the backups finished, was recomputed: never wrong either way).
+    assert result.device_hit_tokens == 0
+    assert result.storage_hit_tokens >= 32
+    assert all(h["stepping"] for h in tp2.health())
+
+
+def test_a_stalled_rank_times_out_and_the_deployment_recovers(ray_local: None, tp2: Any) -> None:
+    before = tp2.generation
+    ray.get(_rank(tp2, 1).pause.remote(60))
+    tokens = prompt(10, 13)
+    result = tp2.generate([GenerateRequest("stalled", tokens, 3)])[0]
+    assert tp2.generation == before + 1
+    cause = tp2.reforms[-1]["cause"]
+    assert "ConsensusError" in cause and "timeout 5.0s" in cause and "timed out" in cause
+    assert result.output_tokens == recompute(tokens, 3)
+
+
+def test_a_deployment_that_cannot_form_says_why(ray_local: None) -> None:
+    from placement.groups import PlacementError
+
+    with pytest.raises(ConfigError, match="does not divide"):
+        actors.DeploymentConfig(model=MODEL, tp_size=3)
+    too_big = actors.DeploymentConfig(
+        name="nope", model=MODEL, tp_size=2, cpus_per_rank=6, placement_timeout_s=1
+    )
+    with pytest.raises(PlacementError, match="CPU: need 12"):
+        actors.Deployment.launch(too_big)
