@@ -1,0 +1,109 @@
+"""Three simulated nodes (``ray.cluster_utils.Cluster``, fake GPUs): placement as planned,
+a TP group on one node, L3 pages written on one node and read on another."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hicache_ray.config import RayStorageOptions, StorageConfig
+from hicache_ray.runtime import GenerateRequest
+from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys
+
+from .deploy_util import MODEL, cache_config, prompt, recompute, store_name
+
+ray = pytest.importorskip("ray")
+actors = pytest.importorskip("actors")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    if ray.is_initialized():
+        ray.shutdown()  # this module runs its own cluster; later modules start theirs again
+    made = cluster_utils.Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False},
+    )
+    try:
+        for i in (1, 2):
+            made.add_node(num_cpus=2, num_gpus=2, resources={f"node{i}": 1})
+        made.wait_for_nodes()
+        ray.init(address=made.address, log_to_driver=False)
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
+
+
+def _node_of(resource: str) -> str:
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+
+
+def test_stages_land_one_tp_group_per_gpu_node(cluster: Any) -> None:
+    store = store_name()
+    config = actors.DeploymentConfig(
+        name="c-tp2pp2",
+        model=MODEL,
+        tp_size=2,
+        pp_size=2,
+        gpus_per_rank=1,
+        cache=cache_config(store),
+        host_budget_bytes=16 << 20,
+    )
+    deployment = actors.Deployment.launch(config)
+    try:
+        nodes = ray.get([r.node_id.remote() for r in deployment.ranks])
+        gpu_nodes = {_node_of("node1"), _node_of("node2")}
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3]  # each TP group on one node
+        assert nodes[0] != nodes[2] and set(nodes) == gpu_nodes  # the stages on both nodes
+        tokens = prompt(40, 30)
+        result = deployment.generate([GenerateRequest("c1", tokens, 6)])[0]
+        assert result.output_tokens == recompute(tokens, 6)
+    finally:
+        deployment.shutdown()
+        actors.clear_store(cache_config(store).storage.ray)
+
+
+@ray.remote(num_cpus=0)
+class _Client:
+    """Writes or reads pages through the `ray` backend from the node it runs on."""
+
+    def __init__(self, options: RayStorageOptions) -> None:
+        import actors as registers_backend  # noqa: F401
+        from hicache_ray.storage import create_backend
+
+        self.plan = make_plan()
+        self.backend = create_backend(
+            StorageConfig(backend="ray", model_id="test/model", ray=options), self.plan
+        )
+
+    def node(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    def put(self, n: int) -> int:
+        return self.backend.put(page_keys(self.plan, n), make_pages(self.plan, n))
+
+    def read_back(self, n: int) -> bool:
+        out = empty_buffers(self.plan, n)
+        if self.backend.get(page_keys(self.plan, n), out) != n:
+            return False
+        return all(bool((a == b).all()) for a, b in zip(out, make_pages(self.plan, n), strict=True))
+
+
+def test_pages_written_on_one_node_are_read_on_another(cluster: Any) -> None:
+    options = RayStorageOptions(name=store_name(), num_shards=2)
+    writer = _Client.options(resources={"node1": 0.01}).remote(options)
+    reader = _Client.options(resources={"node2": 0.01}).remote(options)
+    try:
+        assert ray.get(writer.node.remote()) != ray.get(reader.node.remote())
+        assert ray.get(writer.put.remote(12)) == 12
+        ray.kill(writer)  # the pages belong to the shards, not to the writer
+        assert ray.get(reader.read_back.remote(12))
+        # Wherever the shards (and so the objects) live, one of the two reads crossed nodes.
+        other = _Client.options(resources={"node1": 0.01}).remote(options)
+        assert ray.get(other.read_back.remote(12))
+    finally:
+        actors.clear_store(options)
