@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from hicache_ray.controller import ConsensusError, GlooConsensus, LocalConsensus
+from hicache_ray.controller import ConsensusError, GlooConsensus, LocalConsensus, start_rendezvous
 from hicache_ray.controller.protocol import Header
 
 
@@ -38,5 +38,9 @@ def test_joining_a_group_nobody_serves_fails_with_a_clear_error() -> None:
         port = s.getsockname()[1]
     with pytest.raises(ConsensusError, match="rank 1 of 2 could not join"):
         GlooConsensus(1, 2, "127.0.0.1", port, timeout_s=1.0)
-    with pytest.raises(ValueError, match="rank 0"):
-        GlooConsensus(0, 2, "127.0.0.1", port, timeout_s=1.0)  # rank 0 passes its rendezvous
+    # the rank 0 of a subgroup connects to a store someone else serves, like the others
+    with pytest.raises(ConsensusError, match="rank 0 of 2 could not join"):
+        GlooConsensus(0, 2, "127.0.0.1", port, timeout_s=1.0)
+    rendezvous = start_rendezvous(2, timeout_s=1.0)
+    with pytest.raises(ValueError, match="only rank 0"):
+        GlooConsensus(1, 2, "127.0.0.1", port, timeout_s=1.0, rendezvous=rendezvous)
