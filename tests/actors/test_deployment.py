@@ -99,13 +99,16 @@ def test_stats_health_and_idle(ray_local: None, tp2: Any) -> None:
         ray.get(_rank(tp2, rank).check_integrity.remote())
 
 
-def test_a_killed_rank_is_replaced_and_requests_retried(ray_local: None, tp2: Any) -> None:
-    tokens = prompt(8, 40)
-    tp2.generate([GenerateRequest("warm", tokens, 2)])
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_is_replaced_and_requests_retried(
+    ray_local: None, tp2: Any, victim: int
+) -> None:
+    tokens = prompt(8 + victim, 40)
+    tp2.generate([GenerateRequest(f"warm{victim}", tokens, 2)])
     tp2.wait_idle(timeout_s=30)  # its pages are in L3 now
     before = tp2.generation
-    future = tp2.submit(GenerateRequest("victim", tokens + prompt(9, 8), 24))
-    ray.kill(_rank(tp2, 1), no_restart=True)
+    future = tp2.submit(GenerateRequest(f"victim{victim}", tokens + prompt(9, 8), 24))
+    ray.kill(_rank(tp2, victim), no_restart=True)
     result = future.result(timeout=120)
     assert tp2.generation == before + 1 and tp2.reforms[-1]["seconds"] > 0
     assert tp2.reforms[-1]["cause"].startswith(("rank 0 stopped", "a rank actor died"))

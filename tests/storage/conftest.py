@@ -82,7 +82,10 @@ def object_store_factory(request, tmp_path) -> Callable[[], ObjectStore]:
         request.getfixturevalue("ray_local")
         from actors.ray_store import RayObjects, clear_store
 
-        options = RayStorageOptions(name=f"contract{next(_prefixes)}", num_shards=2)
+        # One store for the whole suite (its shard actors start once), emptied around
+        # every test.
+        options = RayStorageOptions(name="contract", num_shards=2)
+        clear_store(options)
         request.addfinalizer(lambda: clear_store(options))
         return lambda: RayObjects(options)
     if kind == "file":
