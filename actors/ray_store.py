@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
 import ray
 import xxhash
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from actors.l3_shard import PageShard
 from hicache_ray.config import RayStorageOptions, StorageConfig
@@ -48,7 +50,14 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "hicache"  # Ray namespace of the shard actors: every job finds them by name
 _COPY_THREADS = 2  # payload copies (and checksums) of one read run on this many threads
+_RETRY_S = 0.05  # a restarting shard is asked again this often (control calls only)
 _Shard = ray.remote(PageShard)
+
+
+class _ShardError(OSError):
+    """A shard call failed; ``restarting`` when Ray is bringing the shard back."""
+
+    restarting = False
 
 
 def _shard_handle(opts: RayStorageOptions, index: int) -> Any:
@@ -130,34 +139,44 @@ class RayObjects(ObjectStore):
         return errors
 
     def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
-        where: list[Any] = [None] * len(keys)
-        for idx, answer in self._fan_out(keys, "locate"):
-            if isinstance(answer, Exception):
-                places = _spread(answer, len(idx))
-            else:
+        # NOTE: each shard's pages are fetched and copied as soon as its answer arrives,
+        # while the other shards' answers are still on their way. Copies may so run past
+        # a key that turns out absent (buffers past the count are unspecified); every copy
+        # is waited for before returning.
+        n = len(keys)
+        where: list[Any] = [None] * n  # True (copying), None (absent), or the failure
+        gap = n  # lowest key known not to be readable: nothing past it is copied
+        copies: dict[int, Future[ReadOutcome]] = {}
+        lost: list[str] = []
+        try:
+            for idx, answer in self._fan_out(keys, "locate"):
+                if isinstance(answer, Exception):
+                    for i in idx:
+                        where[i] = answer
+                    gap = min(gap, idx[0])
+                    continue
                 refs, found = answer
-                places = [p if p is None else (refs[p[0]], p[1]) for p in found]
-            for i, value in zip(idx, places, strict=True):
-                where[i] = value
-        lead = 0  # the leading keys found: only they are fetched
-        while lead < len(keys) and isinstance(where[lead], tuple):
-            lead += 1
-        objects = self._fetch([where[i][0] for i in range(lead)])
-        jobs = []
-        for i in range(lead):
-            obj = objects.get(where[i][0].hex())
-            if obj is None:  # lost, or its owner died: a miss, and its keys are dropped
-                lost = [keys[j] for j in range(i, lead) if where[j][0].hex() not in objects]
-                self.remove_many(lost)
-                break
-            jobs.append((obj, where[i][1], outs[i]))
-        outcomes: list[ReadOutcome] = (
-            list(self._copiers.map(_copy_item, jobs)) if len(jobs) > 1 else [*map(_copy_item, jobs)]
-        )
-        if len(jobs) < len(keys):  # the key that ended the batch: absent, lost or failed
-            tail = where[len(jobs)]
-            outcomes.append(tail if isinstance(tail, Exception) else None)
-        return outcomes
+                objects = self._fetch(refs)
+                for i, place in zip(idx, found, strict=True):
+                    obj = None if place is None else objects.get(refs[place[0]].hex())
+                    if obj is None:  # absent; or lost, or its owner died: a miss
+                        if place is not None:
+                            lost.append(keys[i])
+                        gap = min(gap, i)
+                    elif i < gap:
+                        where[i] = True
+                        copies[i] = self._copiers.submit(_copy_item, (obj, place[1], outs[i]))
+            outcomes: list[ReadOutcome] = []
+            for i in range(n):
+                if where[i] is not True:
+                    outcomes.append(where[i])  # the key that ends the batch
+                    break
+                outcomes.append(copies[i].result())
+            return outcomes
+        finally:
+            futures_wait(copies.values())  # no copy may still write into the caller's buffers
+            if lost:
+                self.remove_many(lost)  # their objects are gone: drop them from the index
 
     def remove_many(self, keys: Sequence[str]) -> None:
         for _ in self._fan_out(keys, "remove"):
@@ -206,13 +225,26 @@ class RayObjects(ObjectStore):
 
     def _fan_out(self, keys: Sequence[str], method: str) -> Iterator[tuple[list[int], Any]]:
         """One call of ``method`` per shard with its keys, all in flight at once; yields
-        each shard's key indices and its answer (or an ``OSError`` when it failed)."""
-        calls = [
-            (shard, idx, self._remote(shard, method, [keys[i] for i in idx]))
-            for shard, idx in self._by_shard(keys).items()
-        ]
-        for shard, idx, ref in calls:
-            yield idx, self._wait(shard, ref)
+        each shard's key indices and its answer (or an ``OSError`` when it failed), in
+        the order the answers arrive."""
+        calls: dict[Any, tuple[int, list[int]]] = {}
+        for shard, idx in self._by_shard(keys).items():
+            ref = self._remote(shard, method, [keys[i] for i in idx])
+            if isinstance(ref, Exception):
+                yield idx, self._failed(shard, ref)
+            else:
+                calls[ref] = (shard, idx)
+        deadline = time.monotonic() + self.options.timeout_s
+        while calls:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(calls), num_returns=1, timeout=left)
+            if not ready:  # past the deadline: every shard still out has failed
+                for shard, idx in calls.values():
+                    timeout = TimeoutError(f"no answer within {self.options.timeout_s:g}s")
+                    yield idx, self._failed(shard, timeout)
+                return
+            shard, idx = calls.pop(ready[0])
+            yield idx, self._wait(shard, ready[0])
 
     def _remote(self, shard: int, method: str, *args: Any) -> Any:
         with self._lock:
@@ -231,16 +263,27 @@ class RayObjects(ObjectStore):
             return self._failed(shard, exc)
 
     def _failed(self, shard: int, exc: Exception) -> OSError:
-        if isinstance(exc, RayActorError):  # killed for good: find (or make) it again
+        restarting = isinstance(exc, ActorUnavailableError)
+        if isinstance(exc, RayActorError) and not restarting:  # gone: find or make it again
             with self._lock:
                 self._shards[shard] = _shard_handle(self.options, shard)
-        return OSError(f"store {self.options.name!r} shard {shard}: {type(exc).__name__}: {exc}")
+        failure = _ShardError(
+            f"store {self.options.name!r} shard {shard}: {type(exc).__name__}: {exc}"
+        )
+        failure.restarting = restarting
+        return failure
 
     def _call(self, shard: int, method: str, *args: Any) -> Any:
-        answer = self._wait(shard, self._remote(shard, method, *args))
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+        """One call that must go through (describe, scan, clear, stats): a shard that is
+        restarting is asked again until ``timeout_s``."""
+        deadline = time.monotonic() + self.options.timeout_s
+        while True:
+            answer = self._wait(shard, self._remote(shard, method, *args))
+            if not isinstance(answer, Exception):
+                return answer
+            if not getattr(answer, "restarting", False) or time.monotonic() > deadline:
+                raise answer
+            time.sleep(_RETRY_S)
 
     def _fetch(self, refs: list[Any]) -> dict[str, list[Any]]:
         """The objects of ``refs`` by id; a lost one is left out."""
