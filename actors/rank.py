@@ -137,7 +137,7 @@ class RankActor:
             host_budget_bytes=cfg.host_budget_bytes or None,
         )
         model = ReferenceModel(cfg.model, shard, tp_all_reduce=tp_reduce, device=self.device)
-        self.runtime = RankRuntime(self.controller, model, pipe=pipe)
+        self.runtime = RankRuntime(self.controller, model, pipe=pipe, reuse_prefix=cfg.reuse_prefix)
         self._thread = threading.Thread(target=self._loop, name=f"hicache-rank{rank}", daemon=True)
         self._thread.start()
 

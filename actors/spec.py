@@ -32,6 +32,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
         idle_step_s: while nothing is in flight, rank 0 still steps this often (progressing
             background acknowledgements; below ``consensus_timeout_s``).
         max_retries: how many times a request is retried after its ranks failed.
+        reuse_prefix: serve cached prefixes; False recomputes every prompt (a no-cache
+            baseline with the same code path).
     """
 
     name: str = "hicache"
@@ -47,6 +49,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     placement_timeout_s: float = 60.0
     idle_step_s: float = 0.2
     max_retries: int = 2
+    reuse_prefix: bool = True
 
     def __post_init__(self) -> None:
         if not self.name.replace("-", "").replace("_", "").isalnum():

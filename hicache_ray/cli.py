@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from hicache_ray.bench.report import Figure, Report, machine_info
+from hicache_ray.cli_experiments import _DEMO_HELP, add_experiment_flags, run_experiment
 from hicache_ray.memory import default_device
 
 __all__ = ["main"]
@@ -62,18 +63,6 @@ def _bench_runtime(args: argparse.Namespace) -> int:
     return _finish(args, "bench runtime", dataclasses.asdict(opts), figures)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from hicache_ray.demo_local import LocalDemoOptions, run_local_demo
-
-    opts = LocalDemoOptions(clients=args.clients, rounds=args.rounds)
-    device = _device(args.device)
-    torch.set_num_threads(args.threads)
-    figures, ok = run_local_demo(opts, device, _log)
-    _finish(args, "demo", {**dataclasses.asdict(opts), "device": str(device)}, figures)
-    _log("read-back check: " + ("passed" if ok else "FAILED"))
-    return 0 if ok else 1
-
-
 def _finish(
     args: argparse.Namespace, command: str, config: dict[str, object], figures: list[Figure]
 ) -> int:
@@ -94,11 +83,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
         p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
 
-    demo = sub.add_parser("demo", help="multi-turn workload through one rank's L1/L2")
-    common(demo)
-    demo.add_argument("--clients", type=int, default=16)
-    demo.add_argument("--rounds", type=int, default=5)
-    demo.set_defaults(func=_demo)
+    demo = sub.add_parser("demo", help=_DEMO_HELP)
+    add_experiment_flags(demo, demo=True)
+    demo.set_defaults(func=lambda a: run_experiment(a, True, _finish, _log))
 
     bench = sub.add_parser("bench", help="benchmarks that print figures beside ceilings")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -117,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     storage.add_argument("--root", help="file backend root (directory or URI); default a temp dir")
     storage.add_argument("--quick", action="store_true", help="small pages, for smoke tests")
     storage.set_defaults(func=_bench_storage)
+    mt = bench_sub.add_parser("multiturn", help="multi-turn chat per cache mode vs an LRU oracle")
+    add_experiment_flags(mt, demo=False)
+    mt.set_defaults(func=lambda a: run_experiment(a, False, _finish, _log))
     rt = bench_sub.add_parser("runtime", help="TTFT per prefix tier vs recompute; miss overhead")
     common(rt)
     rt.add_argument("--quick", action="store_true", help="the tiny model, for smoke tests")

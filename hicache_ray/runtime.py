@@ -83,6 +83,8 @@ class RankRuntime:
         pipe: moves hidden states between PP stages; None when one stage holds every layer.
         keep_logits: keep each request's first-token logits in ``first_logits`` (tests;
             the last PP stage only).
+        reuse_prefix: take cached prefixes; False computes every prompt whole (the
+            no-cache baseline of benchmarks; finished requests are still inserted).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class RankRuntime:
         *,
         pipe: StagePipe | None = None,
         keep_logits: bool = False,
+        reuse_prefix: bool = True,
     ) -> None:
         self.ctl = controller
         self.model = model
@@ -99,6 +102,7 @@ class RankRuntime:
         self.busy = False  # whether the last step left work (requests, background copies)
         self.page_size = controller.config.page_size
         self.keep_logits = keep_logits
+        self.reuse_prefix = reuse_prefix
         self.first_logits: dict[str, torch.Tensor] = {}
         self._queue: list[GenerateRequest] = []
         self._requests: dict[str, tuple[GenerateRequest, float]] = {}  # admitted, not taken
@@ -164,7 +168,7 @@ class RankRuntime:
     def _start(self, rid: str) -> None:
         request, admitted = self._requests.pop(rid)
         taken = time.perf_counter()
-        max_pages = (len(request.tokens) - 1) // self.page_size
+        max_pages = (len(request.tokens) - 1) // self.page_size if self.reuse_prefix else 0
         handle = self.ctl.take(rid, max_pages=max_pages)
         cached = handle.num_cached_tokens
         result = RequestResult(
@@ -174,7 +178,9 @@ class RankRuntime:
             recomputed_tokens=len(request.tokens) - cached,
             prefetch_s=taken - admitted,
         )
-        result.storage_hit_tokens = handle.storage_hit_tokens
+        # Pages this request prefetched that another request already loaded to the device
+        # are device hits for this one: L3 hits are the prefetched part of the host hit.
+        result.storage_hit_tokens = min(handle.storage_hit_tokens, handle.host_hit_tokens)
         page_bytes = self.ctl.cache.kv.page_bytes
         result.load_bytes = handle.host_hit_tokens // self.page_size * page_bytes
         result.prefetch_bytes = handle.storage_hit_tokens // self.page_size * page_bytes

@@ -76,6 +76,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 PRESETS: dict[str, ModelConfig] = {
     # Tests: a few milliseconds per prefill.
     "tiny": ModelConfig(name="tiny"),
+    # tiny with four KV heads: deployments of TP 1, 2 and 4 (smoke runs of the demo)
+    "tiny4": ModelConfig(name="tiny4", num_heads=4, num_kv_heads=4),
     # Benchmarks: a 2,000-token prefill takes on the order of a second on a 2-core CPU, so
     # recomputing a prompt costs what it costs in serving, relative to moving its KV.
     "bench": ModelConfig(

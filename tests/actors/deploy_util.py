@@ -13,10 +13,8 @@ from hicache_ray.config import (
     RayStorageOptions,
     StorageConfig,
 )
-from hicache_ray.controller import CacheController
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ModelConfig, ReferenceModel
-from hicache_ray.runtime import GenerateRequest, RankRuntime
+from hicache_ray.model import ModelConfig
+from hicache_ray.multiturn import exact
 
 PAGE = 4
 # Four KV heads, so TP=1, 2 and 4 all tile them; two layers, so PP=2 holds one each.
@@ -55,14 +53,4 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def recompute(tokens: list[int], max_new: int) -> list[int]:
     """Greedy tokens of a no-cache TP=1 run in this process."""
-    kv = ShardKV(model=MODEL.model_kv(), shard=Shard(), page_size=PAGE)
-    ctl = CacheController(cache_config(None), kv, host_budget_bytes=1 << 26)
-    rt = RankRuntime(ctl, ReferenceModel(MODEL))
-    rt.submit(GenerateRequest("ref", tokens, max_new))
-    try:
-        while True:
-            for result in rt.step():
-                assert result.device_hit_tokens == 0 and result.error is None
-                return result.output_tokens
-    finally:
-        ctl.close()
+    return exact.recompute(MODEL, tokens, max_new)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -31,14 +32,37 @@ def test_bench_micro_quick_writes_schema(tmp_path: Path) -> None:
             assert f.ceiling and f.ceiling > 0 and f.ratio is not None and f.value > 0
 
 
-def test_demo_small_passes_read_back(tmp_path: Path) -> None:
+def _figures(path: Path) -> dict[str, object]:
+    report = msgspec.json.decode(path.read_bytes(), type=Report)
+    return {f.name: f for f in report.figures}
+
+
+def test_demo_quick_continues_on_tp4_from_l3(tmp_path: Path, ray_local: None) -> None:
     out = tmp_path / "demo.json"
-    code = main(["demo", "--clients", "4", "--rounds", "3", "--device", "cpu", "--json", str(out)])
-    assert code == 0
-    report = msgspec.json.decode(out.read_bytes(), type=Report)
-    by_name = {f.name: f for f in report.figures}
-    assert by_name["demo.local.readback_failures"].value == 0
-    assert by_name["demo.local.hit_tokens.l1"].value > 0
+    assert main(["demo", "--quick", "--json", str(out)]) == 0
+    by_name: dict[str, Any] = _figures(out)
+    assert by_name["multiturn.exactness.wrong_outputs"].value == 0
+    assert by_name["multiturn.tp2.hit_tokens.l1"].value > 0
+    assert by_name["multiturn.tp4.hit_tokens.l3"].value > 0  # empty pools, history in L3
+    for series in ("tp2", "tp4"):
+        assert by_name[f"multiturn.{series}.ttft_p50_ms"].value > 0
+        assert by_name[f"multiturn.{series}.oracle_ratio"].meets
+    assert (tmp_path / "demo.png").stat().st_size > 1000
+
+
+def test_bench_multiturn_quick_every_mode(tmp_path: Path, ray_local: None) -> None:
+    out = tmp_path / "mt.json"
+    assert main(["bench", "multiturn", "--quick", "--json", str(out)]) == 0
+    by_name: dict[str, Any] = _figures(out)
+    for mode in ("none", "l1", "l1_l2", "l1_l2_l3"):
+        assert by_name[f"multiturn.{mode}.ttft_p50_ms"].value > 0
+        for tier in ("l1", "l2", "l3"):
+            assert f"multiturn.{mode}.hit_tokens.{tier}" in by_name
+    assert by_name["multiturn.none.hit_tokens.l1"].value == 0
+    assert by_name["multiturn.l1_l2.oracle_ratio"].meets
+    assert by_name["multiturn.infinite_cache.hit_tokens"].value > 0
+    assert by_name["multiturn.exactness.wrong_outputs"].value == 0
+    assert (tmp_path / "mt.png").exists()
 
 
 def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None) -> None:

@@ -1,0 +1,173 @@
+"""The main job (``hicache-ray demo``) and ``hicache-ray bench multiturn``.
+
+The demo serves a multi-turn chat on a TP=2 deployment whose working set exceeds L1 and
+L1+L2, then continues the same conversations on a TP=4 deployment launched beside it on
+the same L3 (the Ray object store): TP=4 starts with empty pools and finds the history in
+L3. The benchmark serves one trace in each mode (``none``, ``l1``, ``l1_l2``, ``l1_l2_l3``),
+one deployment per mode, and compares each with the LRU oracle of its capacity. Both
+re-run a sample of requests from scratch on one rank and require the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Iterator
+
+import ray
+
+from actors.deployment import Deployment
+from actors.multiturn import Progress, mode_cache, oracle_hits, serve_rounds
+from actors.ray_store import clear_store
+from hicache_ray.bench.report import Figure, figure
+from hicache_ray.model import preset
+from hicache_ray.multiturn.exact import recompute
+from hicache_ray.multiturn.options import ExperimentOptions
+from hicache_ray.multiturn.report import Series, figures, table
+
+__all__ = ["ExperimentOptions", "embedded_ray", "run_demo", "run_multiturn_bench"]
+
+
+@contextlib.contextmanager
+def embedded_ray(num_cpus: int) -> Iterator[None]:
+    """The connected Ray, or a local one started (loopback only) and stopped here."""
+    if ray.is_initialized():
+        yield
+        return
+    for name, value in (
+        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+        ("RAY_USAGE_STATS_ENABLED", "0"),
+        ("RAY_AUTH_MODE", "disabled"),
+    ):
+        os.environ.setdefault(name, value)
+    ray.init(
+        address="local",
+        num_cpus=max(num_cpus, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _capacities(deployment: Deployment) -> tuple[int, int]:
+    ctl = deployment.stats()["ranks"][0]["controller"]
+    return ctl["device_pages_total"], ctl["host_pages_total"]
+
+
+def _exactness(series: list[Series], opts: ExperimentOptions, log: Callable[[str], None]) -> Figure:
+    """Re-run ``opts.check`` sampled requests from scratch; count wrong greedy tokens."""
+    pool = [
+        (p, r)
+        for s in series
+        for summary in s.rounds
+        for p, r in zip(summary.prompts, summary.results, strict=True)
+    ]
+    sample = random.Random(opts.seed).sample(pool, min(opts.check, len(pool)))
+    wrong = 0
+    model = preset(opts.model)
+    for prompt, result in sample:
+        if recompute(model, prompt, len(result.output_tokens)) != result.output_tokens:
+            wrong += 1
+            log(f"exactness: {result.rid} differs from its recompute")
+    log(f"exactness: {len(sample) - wrong} of {len(sample)} sampled requests equal recompute")
+    return figure("multiturn.exactness.wrong_outputs", wrong, "requests", target=0, better="lower")
+
+
+def run_demo(
+    opts: ExperimentOptions, log: Callable[[str], None]
+) -> tuple[list[Series], list[Figure]]:
+    """TP=2 serves ``opts.rounds`` rounds, TP=4 (launched beside it, same L3) continues
+    ``opts.continue_rounds`` more."""
+    total = opts.rounds + opts.continue_rounds
+    trace = opts.trace(total)
+    cache = opts.cache()
+    series = []
+    with embedded_ray(2 + 4):
+        tp2 = Deployment.launch(opts.deployment("demo-tp2", cache, tp_size=2, pp_size=1))
+        tp4 = Deployment.launch(opts.deployment("demo-tp4", cache, tp_size=4, pp_size=1))
+        try:
+            log(f"launched TP=2 and TP=4 deployments of the {opts.model!r} model")
+            for name, deployment, rounds in (
+                ("tp2", tp2, range(opts.rounds)),
+                ("tp4", tp4, range(opts.rounds, total)),
+            ):
+                summaries = serve_rounds(
+                    deployment,
+                    trace,
+                    rounds,
+                    label=name,
+                    concurrency=opts.concurrency,
+                    progress=Progress(name, total),
+                )
+                deployment.wait_idle(timeout_s=300)  # its pages are in L3 before the next
+                series.append(Series(name, summaries, oracle_target=0.95))
+            served = [r for s in series for r in s.rounds]
+            best = oracle_hits(served, None, opts.page_size, opts.concurrency, opts.rate)
+            for summary, hits in zip(served, best, strict=True):
+                summary.oracle_hit_tokens = hits  # L3 is unbounded: the infinite cache
+        finally:
+            tp2.shutdown()
+            tp4.shutdown()
+            if opts.storage == "ray":
+                clear_store(cache.storage.ray)
+    found = figures(series, sum(best))
+    found.append(_exactness(series, opts, log))
+    log(table(series))
+    return series, found
+
+
+def run_multiturn_bench(
+    opts: ExperimentOptions, log: Callable[[str], None]
+) -> tuple[list[Series], list[Figure]]:
+    """The same trace in each mode; measured hits beside the LRU oracle of each mode."""
+    series = []
+    answers: list[list[list[int]]] | None = None
+    with embedded_ray(opts.tp_size * opts.pp_size):
+        for mode in opts.modes:
+            cache, reuse = mode_cache(mode, opts.cache())
+            deployment = Deployment.launch(
+                opts.deployment(f"mt-{mode.replace('_', '-')}", cache, reuse_prefix=reuse)
+            )
+            try:
+                summaries = serve_rounds(
+                    deployment,
+                    opts.trace(opts.rounds),
+                    range(opts.rounds),
+                    label=mode,
+                    concurrency=opts.concurrency,
+                    progress=Progress(mode, opts.rounds),
+                )
+                device_pages, host_pages = _capacities(deployment)
+            finally:
+                deployment.shutdown()
+                if mode == "l1_l2_l3" and opts.storage == "ray":
+                    clear_store(cache.storage.ray)
+            # wait_complete makes L3 hits deterministic: only then is its ratio a target
+            l3_target = 0.95 if opts.prefetch_policy == "wait_complete" else None
+            s = Series(
+                mode, summaries, oracle_target={"l1_l2": 0.95, "l1_l2_l3": l3_target}.get(mode)
+            )
+            if mode != "none":
+                # write_through keeps L2 a superset of L1, so L1+L2 hold what the host
+                # pool holds (a few more pages when L2 dropped copies of pages still on
+                # the device: the ratio can exceed 1). l1_l2_l3: L3 is unbounded.
+                capacity = {"l1": device_pages, "l1_l2": host_pages}.get(mode)
+                hits = oracle_hits(summaries, capacity, opts.page_size, opts.concurrency, opts.rate)
+                for summary, h in zip(summaries, hits, strict=True):
+                    summary.oracle_hit_tokens = h
+            got = [[r.output_tokens for r in x.results] for x in summaries]
+            if answers is not None and got != answers:
+                log(f"WARNING: mode {mode} produced other answers than the first mode")
+            answers = answers or got
+            series.append(s)
+    if not series:
+        raise ValueError("no modes to run")
+    infinite = oracle_hits(series[0].rounds, None, opts.page_size, opts.concurrency, opts.rate)
+    found = figures(series, sum(infinite))
+    found.append(_exactness(series, opts, log))
+    log(table(series))
+    return series, found

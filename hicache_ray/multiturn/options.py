@@ -1,0 +1,93 @@
+"""Options of ``hicache-ray demo`` and ``bench multiturn``: workload, capacities, policies."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache_ray.config import (
+    CacheConfig,
+    FileStorageOptions,
+    MemoryConfig,
+    PrefetchConfig,
+    RayStorageOptions,
+    StorageConfig,
+    WriteConfig,
+)
+from hicache_ray.model import preset
+from hicache_ray.multiturn.trace import Lengths, Trace, TraceConfig
+
+__all__ = ["MODES", "ExperimentOptions"]
+
+MODES = ("none", "l1", "l1_l2", "l1_l2_l3")
+
+
+@dataclass(frozen=True)
+class ExperimentOptions:
+    """Workload, capacities and policies of the demo and the benchmark (CLI flags)."""
+
+    clients: int = 12
+    rounds: int = 3  # bench: all rounds; demo: the TP=2 rounds
+    continue_rounds: int = 2  # demo: rounds continued on TP=4
+    system_len: int = 256
+    user: str = "64-96"
+    answer: str = "16-32"
+    rate: float = 0.0
+    concurrency: int = 2
+    model: str = "bench"
+    page_size: int = 16
+    device_tokens: int = 2048
+    host_ratio: float = 1.5
+    storage: str = "ray"  # ray | file
+    storage_root: str = ""
+    write_policy: str = "write_through"
+    prefetch_policy: str = "wait_complete"
+    tp_size: int = 1
+    pp_size: int = 1
+    modes: tuple[str, ...] = MODES
+    check: int = 4  # requests re-run from scratch for the exactness check
+    seed: int = 0
+    store: str = field(default_factory=lambda: f"run-{os.getpid()}")
+
+    def trace(self, rounds: int) -> Trace:
+        model = preset(self.model)
+        return Trace(
+            TraceConfig(
+                clients=self.clients,
+                rounds=rounds,
+                system_len=self.system_len,
+                user=Lengths.parse(self.user, "user"),
+                answer=Lengths.parse(self.answer, "answer"),
+                rate=self.rate,
+                vocab=model.vocab_size,
+                seed=self.seed,
+            )
+        )
+
+    def cache(self) -> CacheConfig:
+        storage = StorageConfig(
+            backend=self.storage,
+            model_id=f"reference/{self.model}",
+            tp_lcm_size=4,
+            head_group=1,  # one KV head per object: TP=4 ranks of 4-head models own one each
+            ray=RayStorageOptions(name=self.store),
+            file=FileStorageOptions(root=self.storage_root, scan_on_start=False),
+        )
+        return CacheConfig(
+            memory=MemoryConfig(
+                page_size=self.page_size,
+                device_tokens=self.device_tokens,
+                hicache_ratio=self.host_ratio,
+            ),
+            write=WriteConfig(policy=self.write_policy),  # type: ignore[arg-type]
+            prefetch=PrefetchConfig(policy=self.prefetch_policy, threshold_tokens=0),  # type: ignore[arg-type]
+            storage=storage,
+        )
+
+    def deployment(self, name: str, cache: CacheConfig, **kw: Any) -> Any:
+        """The ``actors.DeploymentConfig`` of one deployment of this run."""
+        from actors.spec import DeploymentConfig
+
+        base = {"tp_size": self.tp_size, "pp_size": self.pp_size, **kw}
+        return DeploymentConfig(name=name, model=preset(self.model), cache=cache, **base)
