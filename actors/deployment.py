@@ -87,6 +87,7 @@ class Deployment:
             config.pp_size,
             cpus_per_rank=config.cpus_per_rank,
             gpus_per_rank=config.gpus_per_rank,
+            resources=config.bundle_resources,
             nodes=[n["Resources"] for n in ray.nodes() if n["Alive"]],  # type: ignore[no-untyped-call]
         )
         groups = acquire_groups(stages, timeout_s=config.placement_timeout_s, name=config.name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import traceback
@@ -52,6 +53,10 @@ class RankActor:
 
     def __init__(self, config: DeploymentConfig, rank: int, generation: int = 0) -> None:
         import actors  # noqa: F401 - registers the `ray` storage backend in this worker
+
+        # The L3 client's ray.get calls run on the step and join threads, never on the
+        # event loop; Ray warns about any ray.get in an async actor.
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 
         torch.set_num_threads(max(1, int(config.cpus_per_rank)))
         self.config = config

@@ -23,6 +23,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
         cpus_per_rank: CPUs each rank reserves; its torch threads are set to this.
         gpus_per_rank: 1 on GPU clusters (the pools and the model then live on CUDA), 0 on
             CPU-only ones.
+        bundle_resources: more resources each rank's bundle asks for: custom node resources
+            (``{"tp4_pool": 1}``) place the deployment on the nodes that offer them.
         host_budget_bytes: host memory each rank may pin for its L2 pool; 0 lets the cache
             size it from the host's free memory.
         consensus_timeout_s: how long a cache-consensus collective waits for a peer before
@@ -43,6 +45,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     cpus_per_rank: float = 1.0
     gpus_per_rank: int = 0
+    bundle_resources: dict[str, float] = msgspec.field(default_factory=dict)
     host_budget_bytes: int = 0
     consensus_timeout_s: float = 30.0
     collective_timeout_s: float = 300.0

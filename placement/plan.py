@@ -51,6 +51,7 @@ def plan_stages(
     cpus_per_rank: float = 1.0,
     gpus_per_rank: int = 0,
     nodes: Sequence[Mapping[str, float]] = (),
+    resources: Mapping[str, float] | None = None,
 ) -> list[StagePlan]:
     """Bundles and strategy of every pipeline stage.
 
@@ -60,6 +61,8 @@ def plan_stages(
         gpus_per_rank: 1 on GPU clusters, 0 on CPU-only ones.
         nodes: total resources of each alive node (``ray.nodes()``); empty means "assume a
             TP group fits one node".
+        resources: more resources every bundle asks for (custom node resources, e.g.
+            ``{"tp4_pool": 1}``, pin a deployment to the nodes that offer them).
 
     Raises:
         ConfigError: a bad shape, or a rank larger than every node.
@@ -76,6 +79,7 @@ def plan_stages(
     bundle: Bundle = {"CPU": float(cpus_per_rank)}
     if gpus_per_rank:
         bundle["GPU"] = float(gpus_per_rank)
+    bundle.update({k: float(v) for k, v in (resources or {}).items()})
     if nodes and not any(_fits([bundle], n) for n in nodes):
         raise ConfigError(
             "cpus_per_rank/gpus_per_rank",
