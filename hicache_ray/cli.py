@@ -63,6 +63,35 @@ def _bench_runtime(args: argparse.Namespace) -> int:
     return _finish(args, "bench runtime", dataclasses.asdict(opts), figures)
 
 
+def _stats(args: argparse.Namespace) -> int:
+    import json
+
+    import ray
+
+    from actors.inspect import cluster_stats
+
+    connected = ray.is_initialized()
+    if not connected:
+        ray.init(address=args.address, log_to_driver=False)
+    try:
+        found = cluster_stats(timeout_s=args.timeout)
+    finally:
+        if not connected:
+            ray.shutdown()
+    text = json.dumps(found, indent=2, default=str)
+    if args.json:
+        with open(args.json, "w") as out:
+            out.write(text)
+    print(text)
+    unhealthy = [
+        f"{dep} rank {r['rank']}"
+        for dep, d in found["deployments"].items()
+        for r in d["ranks"]
+        if not r["health"].get("stepping")
+    ]
+    return 1 if unhealthy else 0
+
+
 def _finish(
     args: argparse.Namespace, command: str, config: dict[str, object], figures: list[Figure]
 ) -> int:
@@ -86,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help=_DEMO_HELP)
     add_experiment_flags(demo, demo=True)
     demo.set_defaults(func=lambda a: run_experiment(a, True, _finish, _log))
+
+    stats = sub.add_parser("stats", help="JSON: every deployment's ranks and L3 store in a cluster")
+    stats.add_argument("--address", default="auto", help="Ray address of the cluster")
+    stats.add_argument("--json", metavar="PATH", help="also write the JSON here")
+    stats.add_argument("--timeout", type=float, default=10.0, help="seconds per actor")
+    stats.set_defaults(func=_stats)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures beside ceilings")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -141,3 +141,38 @@ def test_a_deployment_that_cannot_form_says_why(ray_local: None) -> None:
     )
     with pytest.raises(PlacementError, match="CPU: need 12"):
         actors.Deployment.launch(too_big)
+
+
+def test_stats_command_and_prometheus_metrics(
+    ray_local: None, tp2: Any, store: str, tmp_path: Any
+) -> None:
+    import json
+    import urllib.request
+
+    from actors.metrics import flatten_stats
+    from hicache_ray.cli import main
+    from hicache_ray.stats import CacheStats, ControllerStats
+    from tests.ray_util import wait_until
+
+    tp2.generate([GenerateRequest("m1", prompt(11, 20), 2)])
+    tp2.wait_idle(timeout_s=30)
+    out = tmp_path / "stats.json"
+    assert main(["stats", "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    mine = found["deployments"]["tp2"]
+    assert mine["generation"] == tp2.generation and len(mine["ranks"]) == 2
+    for rank in mine["ranks"]:
+        assert rank["health"]["stepping"] and rank["stats"]["controller"]["steps"] > 0
+    assert found["stores"][store]["shards"] == 2 and found["stores"][store]["keys"] > 0
+
+    # every statistic is a gauge on this node's Prometheus endpoint, tagged with the deployment
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    names = {f"ray_hicache_{n}" for n in flatten_stats(ControllerStats(cache=CacheStats()))}
+
+    def exported() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+            lines = page.read().decode().splitlines()
+        seen = {ln.split("{")[0] for ln in lines if 'deployment="tp2"' in ln}
+        return names <= seen
+
+    wait_until(exported, timeout_s=90, what="the rank gauges on the metrics endpoint")

@@ -1,0 +1,68 @@
+"""What runs in a cluster: every deployment's ranks and every object-store L3, found by name.
+
+Rank actors are named ``hicache-{deployment}-g{generation}-rank{rank}`` and L3 shards
+``hicache-l3-{store}-{shard}``, all in the Ray namespace ``hicache``, so any process
+connected to the cluster (``hicache-ray stats``) can find and ask them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ray
+
+from actors.ray_store import NAMESPACE
+
+__all__ = ["cluster_stats"]
+
+_RANK = re.compile(r"^hicache-(?P<dep>.+)-g(?P<gen>\d+)-rank(?P<rank>\d+)$")
+_SHARD = re.compile(r"^hicache-l3-(?P<store>.+)-(?P<shard>\d+)$")
+
+
+def cluster_stats(timeout_s: float = 10.0) -> dict[str, Any]:
+    """``{"deployments": {name: {"generation", "ranks": [{"rank", "health", "stats"}]}},
+    "stores": {name: {"shards", "objects", "keys", "bytes", "capacity_bytes",
+    "evicted_objects"}}}``; a rank or shard that does not answer in ``timeout_s`` shows
+    its error instead."""
+    ranks: dict[str, dict[int, dict[int, str]]] = {}  # deployment -> generation -> rank -> name
+    shards: dict[str, list[str]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE:
+            continue
+        name = entry["name"]
+        if found := _RANK.match(name):
+            gens = ranks.setdefault(found["dep"], {})
+            gens.setdefault(int(found["gen"]), {})[int(found["rank"])] = name
+        elif found := _SHARD.match(name):
+            shards.setdefault(found["store"], []).append(name)
+    out: dict[str, Any] = {"deployments": {}, "stores": {}}
+    for dep, gens in sorted(ranks.items()):
+        generation = max(gens)
+        members = []
+        for rank, name in sorted(gens[generation].items()):
+            members.append({"rank": rank, **_ask(name, timeout_s)})
+        out["deployments"][dep] = {"generation": generation, "ranks": members}
+    for store, names in sorted(shards.items()):
+        total: dict[str, Any] = {"shards": len(names)}
+        for name in names:
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                counts: Any = ray.get(actor.stats.remote(), timeout=timeout_s)
+                for key, value in counts.items():
+                    total[key] = total.get(key, 0) + value
+            except Exception as exc:
+                total.setdefault("errors", []).append(f"{name}: {exc!r}")
+        out["stores"][store] = total
+    return out
+
+
+def _ask(name: str, timeout_s: float) -> dict[str, Any]:
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        answers: list[Any] = ray.get(
+            [actor.health.remote(), actor.stats.remote()], timeout=timeout_s
+        )
+        return {"health": answers[0], "stats": answers[1]}
+    except Exception as exc:
+        return {"health": {"stepping": False, "error": repr(exc)}, "stats": None}
