@@ -195,6 +195,21 @@ class RankActor:
         ``seconds`` before its next step, as a hung rank would."""
         self._pause_s = seconds
 
+    def crash_at(self, phase: str) -> None:
+        """Fault injection: the process exits (as a crash would) the next time its step
+        reaches ``phase`` ("admit": requests admitted, prefetches running; "prefill";
+        "decode")."""
+        if phase not in ("admit", "prefill", "decode"):
+            raise ValueError(f"unknown phase {phase!r}")
+        assert self.runtime is not None
+
+        def crash(reached: str) -> None:
+            if reached == phase:
+                log.error("rank %d: crashing at %s (fault injection)", self.rank, phase)
+                os._exit(1)
+
+        self.runtime.on_phase = crash
+
     def check_integrity(self) -> None:
         if self.controller is not None:
             self.controller.cache.check_integrity()

@@ -92,6 +92,16 @@ def _stats(args: argparse.Namespace) -> int:
     return 1 if unhealthy else 0
 
 
+def _bench_faults(args: argparse.Namespace) -> int:
+    from actors.faults_bench import SCENARIOS, FaultOptions, run_faults
+
+    scenarios = tuple(args.scenarios.split(",")) if args.scenarios else SCENARIOS
+    opts = FaultOptions(scenarios=scenarios, tp_size=args.tp, model=args.model)
+    figures = run_faults(opts, _log)
+    status = _finish(args, "bench faults", dataclasses.asdict(opts), figures)
+    return status or (1 if any(f.meets is False for f in figures) else 0)
+
+
 def _finish(
     args: argparse.Namespace, command: str, config: dict[str, object], figures: list[Figure]
 ) -> int:
@@ -142,6 +152,12 @@ def _parser() -> argparse.ArgumentParser:
     mt = bench_sub.add_parser("multiturn", help="multi-turn chat per cache mode vs an LRU oracle")
     add_experiment_flags(mt, demo=False)
     mt.set_defaults(func=lambda a: run_experiment(a, False, _finish, _log))
+    faults = bench_sub.add_parser("faults", help="fault scenarios: wrong/failed requests, recovery")
+    faults.add_argument("--json", metavar="PATH", help="write the report (schema in README)")
+    faults.add_argument("--scenarios", help="comma-separated subset (default: all)")
+    faults.add_argument("--tp", type=int, default=2, help="TP size of the deployments")
+    faults.add_argument("--model", default="tiny4", help="reference model preset")
+    faults.set_defaults(func=_bench_faults)
     rt = bench_sub.add_parser("runtime", help="TTFT per prefix tier vs recompute; miss overhead")
     common(rt)
     rt.add_argument("--quick", action="store_true", help="the tiny model, for smoke tests")

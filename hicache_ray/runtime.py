@@ -17,6 +17,7 @@ Requests waiting on a prefetch do not block the others: they are simply not runn
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -100,6 +101,9 @@ class RankRuntime:
         self.model = model
         self._forward = pipe.forward_token if pipe is not None else local_token
         self.busy = False  # whether the last step left work (requests, background copies)
+        # Fault injection (tests, `bench faults`): called with "admit" (new requests agreed,
+        # their prefetches started), "prefill" and "decode" before that work runs.
+        self.on_phase: Callable[[str], None] | None = None
         self.page_size = controller.config.page_size
         self.keep_logits = keep_logits
         self.reuse_prefix = reuse_prefix
@@ -152,6 +156,8 @@ class RankRuntime:
                 arrivals.append(Arrival(r.rid, r.tokens, extra))
         self._queue.clear()
         agreed = self.ctl.step(arrivals)
+        if agreed.arrivals and self.on_phase is not None:
+            self.on_phase("admit")
         now = time.perf_counter()
         for a in agreed.arrivals:
             max_new = msgspec.msgpack.decode(a.extra, type=int)
@@ -192,6 +198,8 @@ class RankRuntime:
             self._done.append(RequestResult(rid=rid, error=str(exc)))
             return
         ids = torch.tensor(request.tokens[cached:])
+        if self.on_phase is not None:
+            self.on_phase("prefill")
         with self.ctl.computing():
             token, logits = self._forward(
                 self.model,
@@ -217,6 +225,8 @@ class RankRuntime:
             return
         request = running.request
         position = len(request.tokens) + len(running.generated) - 1
+        if self.on_phase is not None:
+            self.on_phase("decode")
         token, _ = self._forward(
             self.model,
             torch.tensor(running.generated[-1:]),

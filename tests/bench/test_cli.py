@@ -91,3 +91,17 @@ def test_bench_runtime_quick_writes_every_figure(tmp_path: Path) -> None:
             assert by_name[f"runtime.ttft_ms.{tier}.{length}"].value > 0
     assert by_name["runtime.l2_hit.overhead_vs_floor"].target == 1.5
     assert by_name["runtime.pure_miss.overhead_pct"].target == 3
+
+
+def test_bench_faults_every_scenario_survives(tmp_path: Path, ray_local: None) -> None:
+    out = tmp_path / "faults.json"
+    assert main(["bench", "faults", "--json", str(out)]) == 0
+    by_name: dict[str, Any] = _figures(out)
+    from actors.faults_bench import SCENARIOS
+
+    for scenario in SCENARIOS:
+        assert by_name[f"faults.{scenario}.wrong_outputs"].value == 0
+        assert by_name[f"faults.{scenario}.failed_requests"].value == 0
+        assert by_name[f"faults.{scenario}.recovery_s"].value < 60
+    for scenario in ("rank_killed_admit", "rank_killed_prefill", "rank_killed_decode"):
+        assert by_name[f"faults.{scenario}.recovery_s"].value > 0  # it re-formed

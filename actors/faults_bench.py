@@ -1,0 +1,208 @@
+"""``hicache-ray bench faults``: every fault scenario, its outcome in figures.
+
+Each scenario launches a TP deployment on a fresh ``ray`` L3, serves a first turn of a few
+conversations (warming L1/L2/L3), injects its fault, serves the second turn (the fault
+lands while it runs), then a third turn (the deployment and the store must serve again).
+Every answer of turns two and three is compared with a from-scratch recompute.
+
+    rank_killed_admit    rank 1 crashes when requests are admitted (prefetch queries running)
+    rank_killed_prefill  rank 1 crashes entering a prefill
+    rank_killed_decode   rank 1 crashes entering a decode step
+    rank_stalled         rank 1 stalls past the consensus timeout
+    l3_shard_killed      the store's shard actors are killed (restart empty)
+    l3_corrupt_pages     30 % of stored pages are written corrupted (detected, dropped)
+    l3_write_failures    half of the L3 writes fail (backups stop cleanly)
+    l3_slow_reads        every L3 read takes 0.2 s (prefetch policy ``timeout``)
+
+Figures: ``faults.<scenario>.wrong_outputs`` and ``.failed_requests`` (targets 0) and
+``.recovery_s``: for rank faults, the re-forming time; for a killed shard, until it answers
+again; 0 for faults the deployment rides through.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import ray
+import torch
+
+from actors.deployment import Deployment, DeploymentError
+from actors.experiments import embedded_ray
+from actors.ray_store import NAMESPACE, clear_store, store_stats
+from actors.spec import DeploymentConfig
+from hicache_ray.bench.report import Figure, figure
+from hicache_ray.config import (
+    CacheConfig,
+    Fault,
+    MemoryConfig,
+    PrefetchConfig,
+    RayStorageOptions,
+    StorageConfig,
+)
+from hicache_ray.model import preset
+from hicache_ray.multiturn.exact import recompute
+from hicache_ray.runtime import GenerateRequest, RequestResult
+
+__all__ = ["SCENARIOS", "FaultOptions", "run_faults"]
+
+SCENARIOS = (
+    "rank_killed_admit",
+    "rank_killed_prefill",
+    "rank_killed_decode",
+    "rank_stalled",
+    "l3_shard_killed",
+    "l3_corrupt_pages",
+    "l3_write_failures",
+    "l3_slow_reads",
+)
+_STORAGE_FAULTS = {
+    "l3_corrupt_pages": (Fault(op="write", kind="corrupt", probability=0.3),),
+    "l3_write_failures": (Fault(op="write", kind="fail", probability=0.5),),
+    "l3_slow_reads": (Fault(op="read", kind="delay", delay_s=0.2),),
+}
+
+
+@dataclass(frozen=True)
+class FaultOptions:
+    scenarios: tuple[str, ...] = SCENARIOS
+    model: str = "tiny4"
+    tp_size: int = 2
+    clients: int = 3
+    prompt_len: int = 64
+    answer_len: int = 8
+    page_size: int = 8
+    device_tokens: int = 1024
+    consensus_timeout_s: float = 3.0
+    seed: int = 0
+
+
+def _config(name: str, opts: FaultOptions, store: RayStorageOptions) -> DeploymentConfig:
+    slow = name == "l3_slow_reads"
+    cache = CacheConfig(
+        memory=MemoryConfig(page_size=opts.page_size, device_tokens=opts.device_tokens),
+        prefetch=PrefetchConfig(
+            policy="timeout" if slow else "wait_complete",
+            threshold_tokens=0,
+            timeout_base_s=0.3,
+        ),
+        storage=StorageConfig(
+            backend="ray",
+            model_id=opts.model,
+            tp_lcm_size=4,
+            head_group=1,
+            ray=store,
+            faults=_STORAGE_FAULTS.get(name, ()),
+            fault_seed=opts.seed,
+        ),
+    )
+    return DeploymentConfig(
+        name=f"faults-{name.replace('_', '-')}",
+        model=preset(opts.model),
+        tp_size=opts.tp_size,
+        cache=cache,
+        host_budget_bytes=64 << 20,
+        consensus_timeout_s=opts.consensus_timeout_s,
+    )
+
+
+def _rank(deployment: Deployment, rank: int) -> object:
+    name = f"hicache-{deployment.config.name}-g{deployment.generation}-rank{rank}"
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+def _inject(name: str, deployment: Deployment, store: RayStorageOptions) -> None:
+    if name.startswith("rank_killed_"):
+        ray.get(_rank(deployment, 1).crash_at.remote(name.removeprefix("rank_killed_")))  # type: ignore[attr-defined]
+    elif name == "rank_stalled":
+        ray.get(_rank(deployment, 1).pause.remote(10 * deployment.config.consensus_timeout_s))  # type: ignore[attr-defined]
+    elif name == "l3_shard_killed":
+        for i in range(store.num_shards):
+            shard = ray.get_actor(f"hicache-l3-{store.name}-{i}", namespace=NAMESPACE)
+            ray.kill(shard, no_restart=False)
+
+
+def _scenario(name: str, opts: FaultOptions, log: Callable[[str], None]) -> list[Figure]:
+    store = RayStorageOptions(name=f"faults-{os.getpid()}-{name}", num_shards=2)
+    config = _config(name, opts, store)
+    model = config.model
+    gen = torch.Generator().manual_seed(opts.seed)
+    history = [
+        torch.randint(0, model.vocab_size, (opts.prompt_len,), generator=gen).tolist()
+        for _ in range(opts.clients)
+    ]
+    served: list[tuple[list[int], RequestResult]] = []
+    failed = 0
+    recovery = 0.0
+    deployment = Deployment.launch(config)
+    try:
+        for turn in range(3):
+            prompts = [h + [turn + 1] * 5 for h in history]
+            if turn == 1 and name in _STORAGE_FAULTS:
+                # A second deployment continues: its pools are empty, so the history must
+                # come from (or be missed in) the faulty L3.
+                deployment.shutdown()
+                deployment = Deployment.launch(
+                    msgspec.structs.replace(config, name=config.name + "-b")
+                )
+            if turn == 1:
+                _inject(name, deployment, store)
+                injected = time.monotonic()
+            requests = [
+                GenerateRequest(f"{name}-t{turn}-c{c}", p, opts.answer_len)
+                for c, p in enumerate(prompts)
+            ]
+            try:
+                results = deployment.generate(requests)
+            except DeploymentError as exc:
+                log(f"{name}: turn {turn} failed: {exc}")
+                failed += len(requests)
+                continue
+            failed += sum(r.error is not None for r in results)
+            if turn:
+                served += list(zip(prompts, results, strict=True))
+            history = [p + r.output_tokens for p, r in zip(prompts, results, strict=True)]
+            if turn == 1 and name == "l3_shard_killed":
+                store_stats(store)  # answers again (restarted shards)
+                recovery = time.monotonic() - injected
+            deployment.wait_idle(timeout_s=120)
+        if deployment.reforms:
+            recovery = deployment.reforms[-1]["seconds"]
+        seen = _storage_counts(deployment)
+    finally:
+        deployment.shutdown()
+        clear_store(store)
+    wrong = sum(r.output_tokens != recompute(model, p, opts.answer_len) for p, r in served)
+    log(
+        f"{name}: {len(served)} requests after the fault, {wrong} wrong, {failed} failed, "
+        f"recovered in {recovery:.2f} s, {len(deployment.reforms)} re-forming(s); storage: {seen}"
+    )
+    return [
+        figure(f"faults.{name}.wrong_outputs", wrong, "requests", target=0, better="lower"),
+        figure(f"faults.{name}.failed_requests", failed, "requests", target=0, better="lower"),
+        figure(f"faults.{name}.recovery_s", recovery, "s", better="lower"),
+    ]
+
+
+def _storage_counts(deployment: Deployment) -> dict[str, int]:
+    """L3 hits and the storage failures the ranks detected (summed over ranks)."""
+    keys = ("get_pages", "corrupt_pages", "put_failures", "get_failures")
+    total = dict.fromkeys(keys, 0)
+    for rank in deployment.stats()["ranks"]:
+        for key in keys:
+            total[key] += (rank.get("storage") or {}).get(key, 0)
+    return total
+
+
+def run_faults(opts: FaultOptions, log: Callable[[str], None]) -> list[Figure]:
+    unknown = set(opts.scenarios) - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"unknown scenarios {sorted(unknown)}; use some of {SCENARIOS}")
+    figures: list[Figure] = []
+    with embedded_ray(opts.tp_size):
+        for name in opts.scenarios:
+            figures += _scenario(name, opts, log)
+    return figures
