@@ -14,7 +14,7 @@ import ray
 
 from actors.ray_store import NAMESPACE
 
-__all__ = ["cluster_stats"]
+__all__ = ["cluster_stats", "object_store_usage"]
 
 _RANK = re.compile(r"^hicache-(?P<dep>.+)-g(?P<gen>\d+)-rank(?P<rank>\d+)$")
 _SHARD = re.compile(r"^hicache-l3-(?P<store>.+)-(?P<shard>\d+)$")
@@ -55,6 +55,19 @@ def cluster_stats(timeout_s: float = 10.0) -> dict[str, Any]:
                 total.setdefault("errors", []).append(f"{name}: {exc!r}")
         out["stores"][store] = total
     return out
+
+
+def object_store_usage() -> tuple[int, int]:
+    """(MiB, objects) in the object stores of the connected cluster (Ray's summary)."""
+    from ray._private.internal_api import memory_summary
+
+    # the connected cluster's address: without it Ray reads a possibly stale cluster file
+    address = ray.get_runtime_context().gcs_address
+    summary: str = memory_summary(address, stats_only=True)  # type: ignore[no-untyped-call]
+    found = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", summary)
+    if found is None:
+        raise RuntimeError("Ray's object store summary changed its format")
+    return int(found.group(1)), int(found.group(2))
 
 
 def _ask(name: str, timeout_s: float) -> dict[str, Any]:

@@ -22,6 +22,8 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -80,6 +82,7 @@ class RankActor:
         self._publisher = StatsPublisher(config.name, rank)
         self._published_at = 0.0
         self._pause_s = 0.0
+        self._chores: list[tuple[Callable[[], Any], Future[Any]]] = []  # guarded by _lock
 
     # --------------------------------------------------------------- forming
 
@@ -211,8 +214,33 @@ class RankActor:
         self.runtime.on_phase = crash
 
     def check_integrity(self) -> None:
+        """The cache's invariants, checked between two steps."""
         if self.controller is not None:
-            self.controller.cache.check_integrity()
+            self._between_steps(self.controller.cache.check_integrity)
+
+    def evict_all(self) -> dict[str, int]:
+        """Between two steps: evict every unlocked page; the pages still in use (none
+        after a drain, unless locks leaked) and the cache's invariants checked."""
+        assert self.controller is not None
+        cache = self.controller.cache
+
+        def evict() -> dict[str, int]:
+            device, host = cache.evict_all()
+            cache.check_integrity()
+            return {"device_pages_used": device, "host_pages_used": host}
+
+        result: dict[str, int] = self._between_steps(evict)
+        return result
+
+    def _between_steps(self, chore: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+        """Run ``chore`` on the step thread between two steps (it owns the cache)."""
+        if self._thread is None or not self._thread.is_alive():
+            return chore()  # not stepping: nothing else touches the cache
+        done: Future[Any] = Future()
+        with self._lock:
+            self._chores.append((chore, done))
+        self._wake.set()
+        return done.result(timeout=timeout_s)
 
     # ------------------------------------------------------------- stepping
 
@@ -221,11 +249,18 @@ class RankActor:
         assert rt is not None
         try:
             while True:  # until the actor is killed or a step fails
+                with self._lock:
+                    chores, self._chores = self._chores, []
+                for chore, done in chores:
+                    try:
+                        done.set_result(chore())
+                    except Exception as exc:
+                        done.set_exception(exc)
                 if self._pause_s:
                     pause, self._pause_s = self._pause_s, 0.0
                     time.sleep(pause)
                 if self.rank == 0:
-                    if not (self._inbox or rt.has_work):
+                    if not (self._inbox or rt.has_work or self._chores):
                         self._wake.wait(_BUSY_STEP_S if rt.busy else cfg.idle_step_s)
                     self._wake.clear()
                     with self._lock:

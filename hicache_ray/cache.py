@@ -255,6 +255,20 @@ class HiCache:
         self.flush()
         self.transfers.close()
 
+    def evict_all(self) -> tuple[int, int]:
+        """Evict every unlocked page of both pools (soak checks: after a drain, what is
+        left is locked by running requests, or leaked). Returns the pages still in use
+        (device, host)."""
+        self.flush()
+        device, host = self.device_pool.allocator, self.host_pool.allocator
+        freed = self.tree.evict_device(device.num_used_pages)
+        device.free(freed)
+        self.counters.device_evicted_pages += len(freed)
+        freed = self.tree.evict_host(host.num_used_pages)
+        host.free(freed)
+        self.counters.host_evicted_pages += len(freed)
+        return device.num_used_pages, host.num_used_pages
+
     # -------------------------------------------------------------- internals
 
     def _alloc_device(self, num_pages: int) -> list[int] | None:

@@ -102,6 +102,20 @@ def _bench_faults(args: argparse.Namespace) -> int:
     return status or (1 if any(f.meets is False for f in figures) else 0)
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from actors.soak import SoakOptions, run_soak
+
+    opts = SoakOptions(
+        duration_s=args.duration,
+        clients=args.clients,
+        fault_every_s=args.fault_every,
+        seed=args.seed,
+    )
+    figures = run_soak(opts, _log)
+    status = _finish(args, "bench soak", dataclasses.asdict(opts), figures)
+    return status or (1 if any(f.meets is False for f in figures) else 0)
+
+
 def _finish(
     args: argparse.Namespace, command: str, config: dict[str, object], figures: list[Figure]
 ) -> int:
@@ -158,6 +172,13 @@ def _parser() -> argparse.ArgumentParser:
     faults.add_argument("--tp", type=int, default=2, help="TP size of the deployments")
     faults.add_argument("--model", default="tiny4", help="reference model preset")
     faults.set_defaults(func=_bench_faults)
+    soak = bench_sub.add_parser("soak", help="clients, small pools, all tiers, faults; bounded")
+    soak.add_argument("--json", metavar="PATH", help="write the report (schema in README)")
+    soak.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    soak.add_argument("--clients", type=int, default=6, help="concurrent conversations")
+    soak.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.set_defaults(func=_bench_soak)
     rt = bench_sub.add_parser("runtime", help="TTFT per prefix tier vs recompute; miss overhead")
     common(rt)
     rt.add_argument("--quick", action="store_true", help="the tiny model, for smoke tests")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 
@@ -20,13 +19,9 @@ def ensure_local_ray() -> None:
 
 def plasma_usage() -> tuple[int, int]:
     """(MiB, objects) in the object stores of the cluster this driver is connected to."""
-    from ray._private.internal_api import memory_summary
+    from actors.inspect import object_store_usage
 
-    found = re.search(
-        r"Plasma memory usage (\d+) MiB, (\d+) objects", memory_summary(stats_only=True)
-    )
-    assert found, "the object store summary changed its format"
-    return int(found.group(1)), int(found.group(2))
+    return object_store_usage()
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:

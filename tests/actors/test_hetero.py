@@ -26,13 +26,15 @@ def launch(ray_local: None) -> Iterator[Any]:
     """Launches deployments and shuts every one down at the end of the test."""
     with ExitStack() as stack:
 
-        def make(name: str, store: str | None, *, tp: int = 1, pp: int = 1) -> Any:
+        def make(
+            name: str, store: str | None, *, tp: int = 1, pp: int = 1, cache: Any = None
+        ) -> Any:
             config = actors.DeploymentConfig(
                 name=name,
                 model=MODEL,
                 tp_size=tp,
                 pp_size=pp,
-                cache=cache_config(store),
+                cache=cache or cache_config(store),
                 host_budget_bytes=16 << 20,
             )
             deployment = actors.Deployment.launch(config)
@@ -87,3 +89,20 @@ def test_pp2_conversation_continues_on_pp1(launch: Any, store: str) -> None:
     turn3 = pp2.generate([GenerateRequest("turn3", again, 4)])[0]
     assert turn3.storage_hit_tokens + turn3.device_hit_tokens + turn3.host_hit_tokens >= 64
     assert turn3.output_tokens == recompute(again, 4)
+
+
+def test_another_model_revision_on_the_same_store_shares_nothing(launch: Any, store: str) -> None:
+    import msgspec
+
+    base = cache_config(store)
+    v2 = msgspec.structs.replace(
+        base, storage=msgspec.structs.replace(base.storage, model_revision="v2")
+    )
+    old, new = launch("rev-old", store), launch("rev-new", None, cache=v2)
+    tokens = prompt(50, 48)
+    old.generate([GenerateRequest("r1", tokens, 4)])
+    old.wait_idle(timeout_s=60)
+    follow = [*tokens, 1, 2, 3, 4, 5]
+    result = new.generate([GenerateRequest("r1", follow, 4)])[0]
+    assert result.storage_hit_tokens == 0 and result.recomputed_tokens == 53  # disjoint keys
+    assert result.output_tokens == recompute(follow, 4)

@@ -105,3 +105,15 @@ def test_bench_faults_every_scenario_survives(tmp_path: Path, ray_local: None) -
         assert by_name[f"faults.{scenario}.recovery_s"].value < 60
     for scenario in ("rank_killed_admit", "rank_killed_prefill", "rank_killed_decode"):
         assert by_name[f"faults.{scenario}.recovery_s"].value > 0  # it re-formed
+
+
+def test_bench_soak_short_form_holds(tmp_path: Path, ray_local: None) -> None:
+    out = tmp_path / "soak.json"
+    assert (
+        main(["bench", "soak", "--duration", "12", "--fault-every", "5", "--json", str(out)]) == 0
+    )
+    by_name: dict[str, Any] = _figures(out)
+    assert by_name["soak.requests"].value > 0 and by_name["soak.faults_injected"].value >= 1
+    assert by_name["soak.faults_survived"].value >= 1
+    for name in ("failed_requests", "wrong_outputs", "leaked_pages", "object_store_leaked"):
+        assert by_name[f"soak.{name}"].value == 0, name

@@ -1,0 +1,204 @@
+"""``hicache-ray bench soak``: many clients, small pools, every tier, faults, bounded in time.
+
+Clients hold conversations on a TP=2 deployment whose L1/L2 are far smaller than the
+working set, over a ``ray`` L3 whose writes sometimes fail or store corrupt pages and whose
+reads are sometimes slow. Every ``fault_every_s`` one rank is crashed (at admit, prefill or
+decode) or stalled past the consensus timeout, and the deployment must re-form and retry.
+A conversation restarts when its prompt would outgrow the pool.
+
+Afterwards: every request answered; a sample re-run from scratch gives the same tokens; after
+the drain, evicting everything leaves no page in use on any rank (no lock leaked) and the
+cache invariants hold; once the L3 store is cleared the object store is back to where it
+started.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from actors.deployment import Deployment
+from actors.experiments import embedded_ray
+from actors.inspect import object_store_usage
+from actors.ray_store import NAMESPACE, clear_store
+from actors.spec import DeploymentConfig
+from hicache_ray.bench.report import Figure, figure
+from hicache_ray.config import (
+    CacheConfig,
+    Fault,
+    MemoryConfig,
+    PrefetchConfig,
+    RayStorageOptions,
+    StorageConfig,
+)
+from hicache_ray.model import preset
+from hicache_ray.multiturn.exact import recompute
+from hicache_ray.runtime import GenerateRequest, RequestResult
+
+__all__ = ["SoakOptions", "run_soak"]
+
+_DRAIN_POLL_S = 0.5  # how often the drain checks that the object store emptied
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    duration_s: float = 60.0
+    clients: int = 6
+    concurrency: int = 3
+    model: str = "tiny4"
+    page_size: int = 8
+    device_tokens: int = 512
+    turn_tokens: int = 24
+    answer_tokens: int = 6
+    fault_every_s: float = 15.0
+    check: int = 8
+    seed: int = 0
+
+
+def _config(opts: SoakOptions, store: RayStorageOptions) -> DeploymentConfig:
+    faults = (
+        Fault(op="write", kind="fail", probability=0.05),
+        Fault(op="write", kind="corrupt", probability=0.05),
+        Fault(op="read", kind="delay", probability=0.1, delay_s=0.05),
+    )
+    cache = CacheConfig(
+        memory=MemoryConfig(page_size=opts.page_size, device_tokens=opts.device_tokens),
+        prefetch=PrefetchConfig(policy="timeout", threshold_tokens=0, timeout_base_s=0.5),
+        storage=StorageConfig(
+            backend="ray",
+            model_id=opts.model,
+            tp_lcm_size=4,
+            head_group=1,
+            ray=store,
+            faults=faults,
+            fault_seed=opts.seed,
+        ),
+    )
+    return DeploymentConfig(
+        name="soak",
+        model=preset(opts.model),
+        tp_size=2,
+        cache=cache,
+        host_budget_bytes=32 << 20,
+        consensus_timeout_s=3.0,
+        max_retries=3,
+    )
+
+
+def _inject(deployment: Deployment, rnd: random.Random) -> str:
+    """Crash or stall one rank of the current generation; returns what was done."""
+    rank = rnd.randrange(deployment.config.world_size)
+    name = f"hicache-{deployment.config.name}-g{deployment.generation}-rank{rank}"
+    actor = ray.get_actor(name, namespace=NAMESPACE)
+    kind = rnd.choice(["admit", "prefill", "decode", "stall"])
+    if kind == "stall":
+        actor.pause.remote(10 * deployment.config.consensus_timeout_s)
+    else:
+        actor.crash_at.remote(kind)
+    return f"rank {rank} {kind}"
+
+
+def run_soak(opts: SoakOptions, log: Callable[[str], None]) -> list[Figure]:
+    rnd = random.Random(opts.seed)
+    model = preset(opts.model)
+    store = RayStorageOptions(name=f"soak-{os.getpid()}", num_shards=2)
+    limit = opts.device_tokens // (2 * opts.concurrency)  # the running requests must fit
+    with embedded_ray(2):
+        baseline = object_store_usage()
+        deployment = Deployment.launch(_config(opts, store))
+        served: list[tuple[list[int], RequestResult]] = []
+        failed = injected = 0
+        try:
+            history: list[list[int]] = [[] for _ in range(opts.clients)]
+            running: dict[Future[RequestResult], tuple[int, list[int]]] = {}
+            idle = list(range(opts.clients))
+            started = time.monotonic()
+            next_fault = started + opts.fault_every_s
+            count = 0
+            while time.monotonic() - started < opts.duration_s or running:
+                while (
+                    idle
+                    and len(running) < opts.concurrency
+                    and (time.monotonic() - started < opts.duration_s)
+                ):
+                    c = idle.pop(0)
+                    turn = [rnd.randrange(model.vocab_size) for _ in range(opts.turn_tokens)]
+                    if len(history[c]) + opts.turn_tokens + 2 * opts.answer_tokens > limit:
+                        history[c] = []  # a new conversation
+                    prompt = history[c] + turn
+                    request = GenerateRequest(f"soak-{count}", prompt, opts.answer_tokens)
+                    running[deployment.submit(request)] = (c, prompt)
+                    count += 1
+                if time.monotonic() >= next_fault and running:
+                    log(f"soak: injecting {_inject(deployment, rnd)}")
+                    injected += 1
+                    next_fault += opts.fault_every_s
+                done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                for future in done:
+                    c, prompt = running.pop(future)
+                    idle.append(c)
+                    try:
+                        result = future.result()
+                    except Exception as exc:
+                        log(f"soak: a request failed: {exc}")
+                        failed += 1
+                        continue
+                    if result.error is not None:
+                        failed += 1
+                        log(f"soak: {result.rid} refused: {result.error}")
+                        continue
+                    served.append((prompt, result))
+                    history[c] = prompt + result.output_tokens
+            deployment.wait_idle(timeout_s=120)
+            leaks = _leaked_pages(deployment)
+            reforms = list(deployment.reforms)
+        finally:
+            deployment.shutdown()
+            clear_store(store)
+        drained = _wait_drained(baseline)
+    sample = rnd.sample(served, min(opts.check, len(served)))
+    wrong = sum(r.output_tokens != recompute(model, p, opts.answer_tokens) for p, r in sample)
+    hits = sum(r.device_hit_tokens + r.host_hit_tokens for _, r in served)
+    l3 = sum(r.storage_hit_tokens for _, r in served)
+    recovery = max((x["seconds"] for x in reforms), default=0.0)
+    log(
+        f"soak: {len(served)} requests served, {failed} failed, {wrong} of {len(sample)} sampled "
+        f"wrong, {injected} faults injected, {len(reforms)} re-formings (longest "
+        f"{recovery:.2f} s), {hits} hit tokens ({l3} from L3), {leaks} pages left after "
+        f"evicting everything, object store {'back to' if drained else 'NOT back to'} baseline"
+    )
+    return [
+        figure("soak.requests", len(served), "requests"),
+        figure("soak.failed_requests", failed, "requests", target=0, better="lower"),
+        figure("soak.wrong_outputs", wrong, "requests", target=0, better="lower"),
+        figure("soak.faults_injected", injected, "faults"),
+        figure("soak.faults_survived", len(reforms), "re-formings"),
+        figure("soak.recovery_s_max", recovery, "s", better="lower"),
+        figure("soak.hit_tokens", hits, "tokens"),
+        figure("soak.leaked_pages", leaks, "pages", target=0, better="lower"),
+        figure("soak.object_store_leaked", 0 if drained else 1, "bool", target=0, better="lower"),
+    ]
+
+
+def _leaked_pages(deployment: Deployment) -> int:
+    """Pages still in use on any rank after evicting everything (integrity checked too)."""
+    answers: list[Any] = ray.get([r.evict_all.remote() for r in deployment.ranks])
+    return sum(a["device_pages_used"] + a["host_pages_used"] for a in answers)
+
+
+def _wait_drained(baseline: tuple[int, int], timeout_s: float = 60.0) -> bool:
+    """Whether the object store returns to ``baseline`` (Ray frees objects asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        mib, objects = object_store_usage()
+        if mib <= baseline[0] and objects <= baseline[1]:
+            return True
+        time.sleep(_DRAIN_POLL_S)
+    return False
