@@ -148,3 +148,37 @@ def test_config_errors_survive_pickling() -> None:
     err = ConfigError("page_size", 0, "must be positive", "set it above 0")
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is ConfigError and str(back) == str(err) and back.field == "page_size"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"name": "a b"}, "ray.name"),
+        ({"num_shards": 0}, "ray.num_shards"),
+        ({"capacity_bytes": -1}, "ray.capacity_bytes"),
+        ({"object_bytes": 0}, "ray.object_bytes"),
+        ({"timeout_s": 0.0}, "ray.timeout_s"),
+    ],
+)
+def test_bad_ray_storage_options(kwargs: dict[str, object], needle: str) -> None:
+    from hicache_ray.config import RayStorageOptions
+
+    with pytest.raises(ConfigError, match=needle):
+        RayStorageOptions(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"name": "x y"}, "name"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_size": 3}, "does not divide"),
+        ({"pp_size": 9}, "exceeds"),
+        ({"idle_step_s": 60.0}, "idle_step_s"),
+        ({"max_retries": -1}, "max_retries"),
+    ],
+)
+def test_bad_deployment_configs(kwargs: dict[str, object], needle: str) -> None:
+    spec = pytest.importorskip("actors.spec")
+    with pytest.raises(ConfigError, match=needle):
+        spec.DeploymentConfig(**kwargs)
