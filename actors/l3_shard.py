@@ -60,6 +60,10 @@ class PageShard:
     def describe(self) -> dict[str, int]:
         return {"num_shards": self.num_shards, "capacity_bytes": self.capacity_bytes}
 
+    def node_id(self) -> str:
+        """The node this shard (and so its objects) lives on."""
+        return str(ray.get_runtime_context().get_node_id())
+
     def put(self, keys: list[str], items: list[Any]) -> list[bool]:
         """Store pages (``items`` alternates framed header bytes and payload arrays);
         whether each key is stored now (False only when the object cannot fit)."""

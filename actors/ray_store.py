@@ -70,6 +70,7 @@ def _shard_handle(opts: RayStorageOptions, index: int) -> Any:
         max_restarts=-1,  # a crashed shard comes back (empty: its objects died with it)
         max_concurrency=8,
         scheduling_strategy="DEFAULT",  # never inside the caller's placement group
+        resources=dict(opts.shard_resources),
     ).remote(opts.num_shards, opts.capacity_bytes // opts.num_shards)
 
 

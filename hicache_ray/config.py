@@ -297,6 +297,10 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
         object_bytes: pages of one put are grouped into objects of about this size.
         timeout_s: how long one call to a shard or one object fetch may take before the
             batch counts as failed (a miss, never an error to the request).
+        shard_resources: custom resources each shard actor asks for, to keep the shards
+            (and the objects they own) on chosen nodes, e.g. ``{"l3_owner": 0.01}`` for the
+            nodes started with ``--resources '{"l3_owner": 1}'``; a shard whose node is lost
+            restarts on another node that offers them. Empty: anywhere.
     """
 
     name: str = "default"
@@ -304,6 +308,7 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
     capacity_bytes: int = 0
     object_bytes: int = 8 << 20
     timeout_s: float = 30.0
+    shard_resources: dict[str, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

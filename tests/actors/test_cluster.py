@@ -10,6 +10,7 @@ import pytest
 
 from hicache_ray.config import RayStorageOptions, StorageConfig
 from hicache_ray.runtime import GenerateRequest
+from tests.ray_util import wait_until
 from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys
 
 from .deploy_util import MODEL, cache_config, prompt, recompute, store_name
@@ -30,6 +31,7 @@ def cluster() -> Iterator[Any]:
     try:
         for i in (1, 2):
             made.add_node(num_cpus=2, num_gpus=2, resources={f"node{i}": 1})
+        made.add_node(num_cpus=1, resources={"node3": 1, "l3_owner": 1})  # removed by a test
         made.wait_for_nodes()
         ray.init(address=made.address, log_to_driver=False)
         yield made
@@ -105,5 +107,28 @@ def test_pages_written_on_one_node_are_read_on_another(cluster: Any) -> None:
         # Wherever the shards (and so the objects) live, one of the two reads crossed nodes.
         other = _Client.options(resources={"node1": 0.01}).remote(options)
         assert ray.get(other.read_back.remote(12))
+    finally:
+        actors.clear_store(options)
+
+
+def test_a_removed_node_makes_its_pages_misses_and_the_store_recovers(cluster: Any) -> None:
+    # node3 alone offers "l3_owner" now: the shards, and the objects they own, live there
+    options = RayStorageOptions(
+        name=store_name(), num_shards=2, timeout_s=10, shard_resources={"l3_owner": 0.01}
+    )
+    writer = _Client.options(resources={"node1": 0.01}).remote(options)
+    reader = _Client.options(resources={"node2": 0.01}).remote(options)
+    try:
+        assert ray.get(writer.put.remote(12)) == 12
+        node3 = next(n for n in cluster.worker_nodes if n.node_id == _node_of("node3"))
+        for i in range(2):
+            shard = ray.get_actor(f"hicache-l3-{options.name}-{i}", namespace="hicache")
+            assert ray.get(shard.node_id.remote()) == node3.node_id
+        assert ray.get(reader.read_back.remote(12))
+        cluster.add_node(num_cpus=1, resources={"l3_owner": 1})  # where the shards go next
+        cluster.remove_node(node3)
+        assert not ray.get(reader.read_back.remote(12))  # misses, never an error
+        wait_until(lambda: ray.get(reader.put.remote(12)) == 12, timeout_s=120, what="recovery")
+        assert ray.get(reader.read_back.remote(12))
     finally:
         actors.clear_store(options)
