@@ -230,17 +230,39 @@ class Deployment:
             if self.generation != seen_generation:
                 return  # another caller already re-formed after this failure
             started = time.monotonic()
-            log.warning("deployment %s: re-forming after %s", self.config.name, _describe(cause))
+            why = f"{_describe(cause)}; suspects: {', '.join(self._suspects()) or 'none found'}"
+            log.warning("deployment %s: re-forming after %s", self.config.name, why)
             self._kill_ranks()
             self.generation += 1
             self._form()
             self.reforms.append(
                 {
                     "generation": self.generation,
-                    "cause": _describe(cause),
+                    "cause": why,
                     "seconds": time.monotonic() - started,
                 }
             )
+
+    def _suspects(self, timeout_s: float = 2.0) -> list[str]:
+        """The ranks that caused a failure, as far as asking them tells: those that do not
+        answer (dead or hung), and those stuck outside a step while the others waited in
+        its collective (a stalled rank; the others report the timeout, not who stalled)."""
+        refs = [actor.health.remote() for actor in self.ranks]
+        found = []
+        for rank, ref in enumerate(refs):
+            try:
+                health = ray.get(ref, timeout=timeout_s)
+            except Exception:
+                found.append(f"rank {rank} does not answer (dead or hung)")
+                continue
+            outside = health.get("outside_step_s")
+            if (
+                health["error"] is None
+                and outside
+                and outside > self.config.consensus_timeout_s / 2
+            ):
+                found.append(f"rank {rank} stalled outside the step for {outside:.1f} s")
+        return found
 
     def _kill_ranks(self) -> None:
         for actor in self.ranks:

@@ -82,6 +82,8 @@ class RankActor:
         self._publisher = StatsPublisher(config.name, rank)
         self._published_at = 0.0
         self._pause_s = 0.0
+        self._in_step = False
+        self._step_ended = time.monotonic()
         self._chores: list[tuple[Callable[[], Any], Future[Any]]] = []  # guarded by _lock
 
     # --------------------------------------------------------------- forming
@@ -183,9 +185,20 @@ class RankActor:
         return out
 
     def health(self) -> dict[str, Any]:
+        """``stepping`` (the step thread runs), ``steps``, ``error``, and where the thread
+        is: ``in_step`` (in a step, possibly waiting in a collective) or for how long it has
+        been outside one (``outside_step_s``: a stalled rank's grows past the timeout)."""
         alive = self._thread is not None and self._thread.is_alive()
         steps = self.controller.stats_.steps if self.controller is not None else 0
-        return {"rank": self.rank, "stepping": alive, "steps": steps, "error": self.error}
+        outside = None if self._in_step else time.monotonic() - self._step_ended
+        return {
+            "rank": self.rank,
+            "stepping": alive,
+            "steps": steps,
+            "error": self.error,
+            "in_step": self._in_step,
+            "outside_step_s": outside,
+        }
 
     def idle(self) -> bool:
         """Rank 0: no request in flight and, as of the last step, no rank has background
@@ -267,7 +280,10 @@ class RankActor:
                         inbox, self._inbox = self._inbox, []
                     for request in inbox:
                         rt.submit(request)
-                for result in rt.step():
+                self._in_step = True
+                results = rt.step()
+                self._in_step, self._step_ended = False, time.monotonic()
+                for result in results:
                     self._resolve(result)
                 now = time.monotonic()
                 if now - self._published_at >= _PUBLISH_EVERY_S and self.controller is not None:

@@ -112,6 +112,7 @@ def test_a_killed_rank_is_replaced_and_requests_retried(
     result = future.result(timeout=120)
     assert tp2.generation == before + 1 and tp2.reforms[-1]["seconds"] > 0
     assert tp2.reforms[-1]["cause"].startswith(("rank 0 stopped", "a rank actor died"))
+    assert f"rank {victim} does not answer" in tp2.reforms[-1]["cause"]
     assert result.output_tokens == recompute(tokens + prompt(9, 8), 24)
     # L1/L2 died with the ranks; the prefix came back from L3 (or, if the kill landed
     # before the backups finished, was recomputed: never wrong either way).
@@ -128,6 +129,7 @@ def test_a_stalled_rank_times_out_and_the_deployment_recovers(ray_local: None, t
     assert tp2.generation == before + 1
     cause = tp2.reforms[-1]["cause"]
     assert "ConsensusError" in cause and "timeout 5.0s" in cause and "timed out" in cause
+    assert "suspects: rank 1 stalled outside the step" in cause  # the stalled rank is named
     assert result.output_tokens == recompute(tokens, 3)
 
 
