@@ -92,12 +92,16 @@ def _config(opts: SoakOptions, store: RayStorageOptions) -> DeploymentConfig:
     )
 
 
-def _inject(deployment: Deployment, rnd: random.Random) -> str:
-    """Crash or stall one rank of the current generation; returns what was done."""
+def _inject(deployment: Deployment, rnd: random.Random) -> str | None:
+    """Crash or stall one rank of the current generation; returns what was done, or None
+    when no rank could be reached (the deployment is re-forming: try again later)."""
     rank = rnd.randrange(deployment.config.world_size)
-    name = f"hicache-{deployment.config.name}-g{deployment.generation}-rank{rank}"
-    actor = ray.get_actor(name, namespace=NAMESPACE)
     kind = rnd.choice(["admit", "prefill", "decode", "stall"])
+    name = f"hicache-{deployment.config.name}-g{deployment.generation}-rank{rank}"
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:  # that generation is gone or not formed yet
+        return None
     if kind == "stall":
         actor.pause.remote(10 * deployment.config.consensus_timeout_s)
     else:
@@ -137,9 +141,11 @@ def run_soak(opts: SoakOptions, log: Callable[[str], None]) -> list[Figure]:
                     running[deployment.submit(request)] = (c, prompt)
                     count += 1
                 if time.monotonic() >= next_fault and running:
-                    log(f"soak: injecting {_inject(deployment, rnd)}")
-                    injected += 1
-                    next_fault += opts.fault_every_s
+                    what = _inject(deployment, rnd)
+                    if what is not None:
+                        log(f"soak: injecting {what}")
+                        injected += 1
+                        next_fault += opts.fault_every_s
                 done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
                 for future in done:
                     c, prompt = running.pop(future)
