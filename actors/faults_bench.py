@@ -14,9 +14,11 @@ Every answer of turns two and three is compared with a from-scratch recompute.
     l3_write_failures    half of the L3 writes fail (backups stop cleanly)
     l3_slow_reads        every L3 read takes 0.2 s (prefetch policy ``timeout``)
 
-Figures: ``faults.<scenario>.wrong_outputs`` and ``.failed_requests`` (targets 0) and
+Figures: ``faults.<scenario>.wrong_outputs`` and ``.failed_requests`` (targets 0),
 ``.recovery_s``: for rank faults, the re-forming time; for a killed shard, until it answers
-again; 0 for faults the deployment rides through.
+again; 0 for faults the deployment rides through; ``.l3_hit_tokens_after``: prompt tokens
+the faulted turn took from L3 (after a rank fault the new ranks' pools are empty, so this
+shows L3 survived intact).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ def _scenario(name: str, opts: FaultOptions, log: Callable[[str], None]) -> list
         for _ in range(opts.clients)
     ]
     served: list[tuple[list[int], RequestResult]] = []
+    l3_after = 0  # tokens the turn hit by the fault took from L3 (it is intact)
     failed = 0
     recovery = 0.0
     deployment = Deployment.launch(config)
@@ -164,6 +167,8 @@ def _scenario(name: str, opts: FaultOptions, log: Callable[[str], None]) -> list
             failed += sum(r.error is not None for r in results)
             if turn:
                 served += list(zip(prompts, results, strict=True))
+            if turn == 1:
+                l3_after = sum(r.storage_hit_tokens for r in results)
             history = [p + r.output_tokens for p, r in zip(prompts, results, strict=True)]
             if turn == 1 and name == "l3_shard_killed":
                 store_stats(store)  # answers again (restarted shards)
@@ -178,12 +183,14 @@ def _scenario(name: str, opts: FaultOptions, log: Callable[[str], None]) -> list
     wrong = sum(r.output_tokens != recompute(model, p, opts.answer_len) for p, r in served)
     log(
         f"{name}: {len(served)} requests after the fault, {wrong} wrong, {failed} failed, "
-        f"recovered in {recovery:.2f} s, {len(deployment.reforms)} re-forming(s); storage: {seen}"
+        f"recovered in {recovery:.2f} s, {len(deployment.reforms)} re-forming(s), "
+        f"{l3_after} tokens of the faulted turn from L3; storage: {seen}"
     )
     return [
         figure(f"faults.{name}.wrong_outputs", wrong, "requests", target=0, better="lower"),
         figure(f"faults.{name}.failed_requests", failed, "requests", target=0, better="lower"),
         figure(f"faults.{name}.recovery_s", recovery, "s", better="lower"),
+        figure(f"faults.{name}.l3_hit_tokens_after", l3_after, "tokens"),
     ]
 
 

@@ -105,6 +105,8 @@ def test_bench_faults_every_scenario_survives(tmp_path: Path, ray_local: None) -
         assert by_name[f"faults.{scenario}.recovery_s"].value < 60
     for scenario in ("rank_killed_admit", "rank_killed_prefill", "rank_killed_decode"):
         assert by_name[f"faults.{scenario}.recovery_s"].value > 0  # it re-formed
+        # the new ranks' pools are empty: the retried turn found its history in L3
+        assert by_name[f"faults.{scenario}.l3_hit_tokens_after"].value > 0
 
 
 def test_bench_soak_short_form_holds(tmp_path: Path, ray_local: None) -> None:
