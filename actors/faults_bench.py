@@ -111,16 +111,11 @@ def _config(name: str, opts: FaultOptions, store: RayStorageOptions) -> Deployme
     )
 
 
-def _rank(deployment: Deployment, rank: int) -> object:
-    name = f"hicache-{deployment.config.name}-g{deployment.generation}-rank{rank}"
-    return ray.get_actor(name, namespace=NAMESPACE)
-
-
 def _inject(name: str, deployment: Deployment, store: RayStorageOptions) -> None:
     if name.startswith("rank_killed_"):
-        ray.get(_rank(deployment, 1).crash_at.remote(name.removeprefix("rank_killed_")))  # type: ignore[attr-defined]
+        ray.get(deployment.ranks[1].crash_at.remote(name.removeprefix("rank_killed_")))
     elif name == "rank_stalled":
-        ray.get(_rank(deployment, 1).pause.remote(10 * deployment.config.consensus_timeout_s))  # type: ignore[attr-defined]
+        ray.get(deployment.ranks[1].pause.remote(10 * deployment.config.consensus_timeout_s))
     elif name == "l3_shard_killed":
         for i in range(store.num_shards):
             shard = ray.get_actor(f"hicache-l3-{store.name}-{i}", namespace=NAMESPACE)

@@ -27,7 +27,7 @@ import ray
 from actors.deployment import Deployment
 from actors.experiments import embedded_ray
 from actors.inspect import object_store_usage
-from actors.ray_store import NAMESPACE, clear_store
+from actors.ray_store import clear_store
 from actors.spec import DeploymentConfig
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.config import (
@@ -97,11 +97,10 @@ def _inject(deployment: Deployment, rnd: random.Random) -> str | None:
     when no rank could be reached (the deployment is re-forming: try again later)."""
     rank = rnd.randrange(deployment.config.world_size)
     kind = rnd.choice(["admit", "prefill", "decode", "stall"])
-    name = f"hicache-{deployment.config.name}-g{deployment.generation}-rank{rank}"
-    try:
-        actor = ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:  # that generation is gone or not formed yet
+    ranks = deployment.ranks  # empty while the deployment re-forms
+    if rank >= len(ranks):
         return None
+    actor = ranks[rank]
     if kind == "stall":
         actor.pause.remote(10 * deployment.config.consensus_timeout_s)
     else:
