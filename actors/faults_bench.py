@@ -34,7 +34,7 @@ import torch
 
 from actors.deployment import Deployment, DeploymentError
 from actors.experiments import embedded_ray
-from actors.ray_store import NAMESPACE, clear_store, store_stats
+from actors.ray_store import NAMESPACE, clear_store, shared_storage, store_stats
 from actors.spec import DeploymentConfig
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.config import (
@@ -43,7 +43,6 @@ from hicache_ray.config import (
     MemoryConfig,
     PrefetchConfig,
     RayStorageOptions,
-    StorageConfig,
 )
 from hicache_ray.model import preset
 from hicache_ray.multiturn.exact import recompute
@@ -91,14 +90,8 @@ def _config(name: str, opts: FaultOptions, store: RayStorageOptions) -> Deployme
             threshold_tokens=0,
             timeout_base_s=0.3,
         ),
-        storage=StorageConfig(
-            backend="ray",
-            model_id=opts.model,
-            tp_lcm_size=4,
-            head_group=1,
-            ray=store,
-            faults=_STORAGE_FAULTS.get(name, ()),
-            fault_seed=opts.seed,
+        storage=shared_storage(
+            opts.model, store, faults=_STORAGE_FAULTS.get(name, ()), fault_seed=opts.seed
         ),
     )
     return DeploymentConfig(

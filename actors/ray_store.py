@@ -30,7 +30,7 @@ import xxhash
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from actors.l3_shard import PageShard
-from hicache_ray.config import RayStorageOptions, StorageConfig
+from hicache_ray.config import Fault, RayStorageOptions, StorageConfig
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend, register_backend
@@ -44,7 +44,7 @@ from hicache_ray.storage.page_format import (
 )
 from hicache_ray.storage.registry import with_faults
 
-__all__ = ["NAMESPACE", "RayObjects", "clear_store", "store_stats"]
+__all__ = ["NAMESPACE", "RayObjects", "clear_store", "shared_storage", "store_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +340,26 @@ def store_stats(options: RayStorageOptions) -> dict[str, int]:
             total[name] = total.get(name, 0) + value
     store.close()
     return total
+
+
+def shared_storage(
+    model_id: str,
+    options: RayStorageOptions,
+    *,
+    faults: tuple[Fault, ...] = (),
+    fault_seed: int = 0,
+) -> StorageConfig:
+    """A ``ray`` L3 that deployments of TP 1, 2 and 4 share (unified keys, ``tp_lcm_size``
+    4, one KV head per object), with optional fault-injection rules."""
+    return StorageConfig(
+        backend="ray",
+        model_id=model_id,
+        tp_lcm_size=4,
+        head_group=1,
+        ray=options,
+        faults=faults,
+        fault_seed=fault_seed,
+    )
 
 
 def _ray_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:

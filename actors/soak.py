@@ -27,7 +27,7 @@ import ray
 from actors.deployment import Deployment
 from actors.experiments import embedded_ray
 from actors.inspect import object_store_usage
-from actors.ray_store import clear_store
+from actors.ray_store import clear_store, shared_storage
 from actors.spec import DeploymentConfig
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.config import (
@@ -36,7 +36,6 @@ from hicache_ray.config import (
     MemoryConfig,
     PrefetchConfig,
     RayStorageOptions,
-    StorageConfig,
 )
 from hicache_ray.model import preset
 from hicache_ray.multiturn.exact import recompute
@@ -71,15 +70,7 @@ def _config(opts: SoakOptions, store: RayStorageOptions) -> DeploymentConfig:
     cache = CacheConfig(
         memory=MemoryConfig(page_size=opts.page_size, device_tokens=opts.device_tokens),
         prefetch=PrefetchConfig(policy="timeout", threshold_tokens=0, timeout_base_s=0.5),
-        storage=StorageConfig(
-            backend="ray",
-            model_id=opts.model,
-            tp_lcm_size=4,
-            head_group=1,
-            ray=store,
-            faults=faults,
-            fault_seed=opts.seed,
-        ),
+        storage=shared_storage(opts.model, store, faults=faults, fault_seed=opts.seed),
     )
     return DeploymentConfig(
         name="soak",
