@@ -3,20 +3,36 @@
 :meth:`Deployment.launch` places the ranks (one bundle each, see :mod:`placement`), starts
 one :class:`~actors.rank.RankActor` per rank in its bundle, has rank 0 bind the rendezvous
 store and every rank join the groups. Requests go to rank 0 (:meth:`Deployment.generate`,
-:meth:`Deployment.submit`, :meth:`Deployment.generate_async`); every rank runs them in
-lock step and rank 0 answers with each request's result and cache statistics.
+:meth:`Deployment.submit`, :meth:`Deployment.generate_async`) once they passed
+:func:`~hicache_ray.request.check_request` here: a bad request gets its own error result and
+never reaches a rank. Every rank runs them in lock step; rank 0 answers with each request's
+result and cache statistics.
 
-Recovery: when a rank dies, stalls past the consensus timeout or raises, the requests in
-flight fail with :class:`~actors.rank.RankFailure` (or Ray's actor error). The deployment
-then re-forms: it kills every rank, starts new ones in the same placement groups (Ray
-re-places a group's bundles when a node is lost), and retries those requests, up to
-``max_retries`` times. L1/L2 of the old ranks are gone; L3 is not, so the retried requests
-find their prefixes there when the storage backend outlives the ranks (``ray``, ``file``).
+States (``Deployment.state``)::
+
+    forming --> serving <--> re-forming --> broken --> (re-forming on the next call)
+                  |               |            |
+                  +---------------+------------+--> shut down  (final)
+
+Recovery: when a rank dies, stalls past the consensus timeout or a collective fails, the
+requests in flight fail with :class:`~actors.rank.RankFailure` (or Ray's actor error) and
+the deployment re-forms: it kills every rank, starts new ones in the same placement groups
+(Ray re-places a group's bundles when a node is lost), and retries those requests. A
+re-forming that fails (another rank dies while joining) leaves the deployment ``broken``;
+the next attempt of any call re-forms again. Each request has ``max_retries`` retries, and
+a failed re-forming uses one. L1/L2 of the old ranks are gone; L3 is not, so the retried
+requests find their prefixes there when the storage backend outlives the ranks.
+
+Shutdown is final: :meth:`shutdown` stops accepting requests, fails those in flight with
+``DeploymentError("... shut down")`` within a bounded time, stops the ranks' step loops
+before killing them, and never re-forms afterwards. Every wait on the request path is
+bounded (waits are sliced, each slice checks for shutdown).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import threading
 import time
@@ -24,27 +40,58 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankActor, RankFailure
 from actors.spec import DeploymentConfig
 from hicache_ray.errors import HiCacheError
-from hicache_ray.runtime import GenerateRequest, RequestResult
+from hicache_ray.request import (
+    GenerateRequest,
+    RequestError,
+    RequestResult,
+    check_batch,
+    check_limits,
+    check_request,
+    error_result,
+)
+from hicache_ray.stats import RankHealth
 from placement.groups import StageGroups, acquire_groups, release_groups
 from placement.plan import plan_stages
 
-__all__ = ["Deployment", "DeploymentError"]
+__all__ = ["Deployment", "DeploymentError", "DeploymentState", "Reform"]
 
 log = logging.getLogger(__name__)
 
 _Rank = ray.remote(RankActor)
 _POLL_S = 0.02  # how often wait_idle asks rank 0
+_SLICE_S = 0.5  # a wait on the request path checks for shutdown this often
+_STOP_S = 5.0  # how long shutdown waits for each rank's step loop
 
 
 class DeploymentError(HiCacheError, RuntimeError):
-    """The deployment could not be formed, or a request failed after every retry."""
+    """The deployment could not be formed, was shut down, or a request failed after every
+    retry."""
+
+
+class DeploymentState(enum.Enum):
+    FORMING = "forming"
+    SERVING = "serving"
+    REFORMING = "re-forming"
+    BROKEN = "broken"
+    SHUT_DOWN = "shut down"
+
+
+class Reform(msgspec.Struct, frozen=True, kw_only=True):
+    """One re-forming: the generation it made, why, how long it took, whether it worked."""
+
+    generation: int
+    cause: str
+    seconds: float
+    ok: bool = True
+    error: str | None = None
 
 
 def _describe(exc: BaseException | None) -> str:
@@ -69,9 +116,12 @@ class Deployment:
         self.config = config
         self.groups = groups
         self.generation = 0
-        self.reforms: list[dict[str, Any]] = []  # when and why each re-forming happened
-        self.ranks: list[Any] = []
-        self._lock = threading.Lock()  # serializes re-forming
+        self.state = DeploymentState.FORMING
+        self.reforms: list[Reform] = []  # guarded by _lock
+        self.ranks: list[Any] = []  # guarded by _lock
+        self._broken: str | None = None  # guarded by _lock: why the last re-forming failed
+        self._lock = threading.RLock()  # serializes forming, re-forming and shutdown
+        self._closed = threading.Event()
         self._executor = ThreadPoolExecutor(32, thread_name_prefix=f"hicache-{config.name}")
 
     @classmethod
@@ -90,12 +140,17 @@ class Deployment:
             resources=config.bundle_resources,
             nodes=[n["Resources"] for n in ray.nodes() if n["Alive"]],  # type: ignore[no-untyped-call]
         )
+        if config.cache.storage.backend != "none":
+            log.info("deployment %s: %s", config.name, config.sharing())
         groups = acquire_groups(stages, timeout_s=config.placement_timeout_s, name=config.name)
         deployment = cls(config, groups)
         try:
-            deployment._form()
+            with deployment._lock:
+                deployment._form()
+                deployment.state = DeploymentState.SERVING
         except BaseException:
             release_groups(groups)
+            deployment._executor.shutdown(wait=False)
             raise
         return deployment
 
@@ -104,32 +159,61 @@ class Deployment:
     def generate(self, requests: Sequence[GenerateRequest]) -> list[RequestResult]:
         """Run ``requests`` (at once) and return their results in the same order.
 
+        A bad request gets an error result (``field: problem``) and the others are served.
+
         Raises:
-            DeploymentError: a request still failed after ``max_retries`` re-formings.
+            TypeError: ``requests`` is not a sequence.
+            DeploymentError: the deployment is shut down, or a request still failed after
+                ``max_retries`` retries (re-formings).
         """
+        batch = check_batch(requests)
         results: dict[int, RequestResult] = {}
-        pending = list(range(len(requests)))
+        pending: list[tuple[int, GenerateRequest]] = []
+        rids: set[str] = set()
+        for i, raw in enumerate(batch):
+            try:
+                request = self._check(raw)
+                if request.rid in rids:
+                    raise RequestError("rid", f"{request.rid!r} appears twice in this call")
+            except RequestError as exc:
+                results[i] = error_result(raw, str(exc))
+                continue
+            rids.add(request.rid)
+            pending.append((i, request))
+        cause: BaseException | None = None
         for attempt in range(self.config.max_retries + 1):
-            generation, rank0 = self.generation, self.ranks[0]
-            refs = [rank0.generate.remote(requests[i]) for i in pending]
-            failed, cause = [], None
-            for i, ref in zip(pending, refs, strict=True):
+            if not pending:
+                break
+            try:
+                generation, rank0 = self._serving()
+            except _ReformFailed as exc:
+                cause = exc.__cause__ or exc
+                continue
+            refs = [rank0.generate.remote(r) for _, r in pending]
+            failed = []
+            for (i, request), ref in zip(pending, refs, strict=True):
                 try:
-                    results[i] = ray.get(ref)
+                    results[i] = self._get(ref)
                 except (RayActorError, RayTaskError) as exc:
                     if not _is_rank_failure(exc):
                         raise
-                    failed.append(i)
+                    self._check_open()
+                    failed.append((i, request))
                     cause = exc
-            if not failed:
-                break
-            if attempt == self.config.max_retries:
-                raise DeploymentError(
-                    f"{len(failed)} request(s) failed after {attempt} retries: {_describe(cause)}"
-                ) from cause
-            self._reform(generation, cause)
             pending = failed
-        return [results[i] for i in range(len(requests))]
+            if pending and attempt < self.config.max_retries:
+                try:
+                    self._reform(generation, cause)
+                except _ReformFailed as exc:
+                    cause = exc.__cause__ or exc
+            elif pending:
+                self._mark_broken(generation, cause)
+        if pending:
+            raise DeploymentError(
+                f"{len(pending)} request(s) failed after {self.config.max_retries} retries: "
+                f"{_describe(cause)}"
+            ) from cause
+        return [results[i] for i in range(len(batch))]
 
     def submit(self, request: GenerateRequest) -> Future[RequestResult]:
         """Run ``request`` in the background; the future holds its result."""
@@ -137,41 +221,77 @@ class Deployment:
 
     async def generate_async(self, request: GenerateRequest) -> RequestResult:
         """:meth:`generate` of one request for asyncio callers (a Serve replica)."""
+        try:
+            checked = self._check(request)
+        except RequestError as exc:
+            return error_result(request, str(exc))
+        loop = asyncio.get_running_loop()
+        cause: BaseException | None = None
         for attempt in range(self.config.max_retries + 1):
-            generation = self.generation
+            self._check_open()
             try:
-                result: RequestResult = await self.ranks[0].generate.remote(request)
+                generation, rank0 = await loop.run_in_executor(self._executor, self._serving)
+            except _ReformFailed as exc:
+                cause = exc.__cause__ or exc
+                continue
+            try:
+                result: RequestResult = await self._get_async(rank0.generate.remote(checked))
                 return result
             except (RayActorError, RayTaskError) as exc:
-                if not _is_rank_failure(exc) or attempt == self.config.max_retries:
+                if not _is_rank_failure(exc):
                     raise
-                await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._reform, generation, exc
-                )
-        raise AssertionError("unreachable")
+                self._check_open()
+                cause = exc
+            if attempt < self.config.max_retries:
+                self._check_open()
+                try:
+                    await loop.run_in_executor(self._executor, self._reform, generation, cause)
+                except _ReformFailed as exc:
+                    cause = exc.__cause__ or exc
+            else:
+                self._mark_broken(generation, cause)
+        raise DeploymentError(
+            f"request failed after {self.config.max_retries} retries: {_describe(cause)}"
+        ) from cause
+
+    def _check(self, request: object) -> GenerateRequest:
+        checked = check_request(request)
+        capacity = self.config.cache.memory.num_device_pages * self.config.cache.page_size
+        check_limits(checked, self.config.model.vocab_size, capacity)
+        return checked
 
     # ------------------------------------------------------------ inspection
 
     def stats(self) -> dict[str, Any]:
-        """Every rank's statistics plus the deployment's shape and re-formings."""
-        ranks = ray.get([r.stats.remote() for r in self.ranks])
+        """Every rank's statistics plus the deployment's shape, state and re-formings."""
+        ranks = self._ranks()
+        answers = ray.get([r.stats.remote() for r in ranks], timeout=30) if ranks else []
         return {
             "name": self.config.name,
+            "state": self.state.value,
             "tp_size": self.config.tp_size,
             "pp_size": self.config.pp_size,
             "generation": self.generation,
-            "reforms": list(self.reforms),
-            "ranks": ranks,
+            "reforms": [msgspec.to_builtins(r) for r in self.reforms],
+            "ranks": answers,
         }
 
-    def health(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        """Per rank: whether it answers and is stepping, its step count and last error."""
+    def health(self, timeout_s: float = 10.0) -> list[RankHealth]:
+        """Per rank: whether it answers and is stepping, its step count and last error.
+        Without ranks (broken or shut down) every rank says why."""
+        ranks = self._ranks()
+        if not ranks:
+            why = f"deployment is {self.state.value}" + (
+                f": {self._broken}" if self._broken else ""
+            )
+            return [RankHealth(rank=r, error=why) for r in range(self.config.world_size)]
+        refs = [actor.health.remote() for actor in ranks]
         out = []
-        for rank, actor in enumerate(self.ranks):
+        for rank, ref in enumerate(refs):
             try:
-                out.append(ray.get(actor.health.remote(), timeout=timeout_s))
+                out.append(ray.get(ref, timeout=timeout_s))
             except Exception as exc:
-                out.append({"rank": rank, "stepping": False, "steps": 0, "error": repr(exc)})
+                out.append(RankHealth(rank=rank, generation=self.generation, error=repr(exc)))
         return out
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
@@ -180,22 +300,88 @@ class Deployment:
 
         Raises:
             TimeoutError: still busy after ``timeout_s``.
+            DeploymentError: the deployment has no ranks (broken or shut down).
         """
         deadline = time.monotonic() + timeout_s
-        while not ray.get(self.ranks[0].idle.remote()):
+        while True:
+            ranks = self._ranks()
+            if not ranks:
+                raise DeploymentError(f"deployment {self.config.name!r} is {self.state.value}")
+            left = max(0.1, deadline - time.monotonic())
+            if ray.get(ranks[0].idle.remote(), timeout=left):
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"deployment {self.config.name!r} still busy after {timeout_s}s")
             time.sleep(_POLL_S)
 
     def shutdown(self) -> None:
-        """Stop every rank and release the placement groups this deployment made."""
-        self._kill_ranks()
+        """Stop accepting requests, fail those in flight, stop and kill every rank, and
+        release the placement groups this deployment made. Safe to call twice."""
+        self._closed.set()
+        with self._lock:  # an ongoing (re-)forming sees _closed and gives up first
+            if self.state is DeploymentState.SHUT_DOWN:
+                return
+            self.state = DeploymentState.SHUT_DOWN
+            self._stop_ranks()
         release_groups(self.groups)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        # Calls still queued in the executor run and fail at once with "shut down".
+        self._executor.shutdown(wait=False)
 
     # ------------------------------------------------------------- forming
 
+    def _ranks(self) -> list[Any]:
+        with self._lock:
+            return list(self.ranks)
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise DeploymentError(f"deployment {self.config.name!r} was shut down")
+
+    def _serving(self) -> tuple[int, Any]:
+        """The generation and rank 0 to send requests to; re-forms a broken deployment.
+
+        Raises:
+            DeploymentError: shut down.
+            _ReformFailed: the deployment was broken and re-forming it failed again.
+        """
+        with self._lock:
+            self._check_open()
+            if self.state is DeploymentState.BROKEN:
+                self._reform(self.generation, None)
+            return self.generation, self.ranks[0]
+
+    def _get(self, ref: Any) -> Any:
+        """``ray.get`` in slices that each check for shutdown."""
+        while True:
+            try:
+                return ray.get(ref, timeout=_SLICE_S)
+            except GetTimeoutError:
+                self._check_open()
+
+    async def _get_async(self, ref: Any) -> Any:
+        future = asyncio.wrap_future(ref.future())
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=_SLICE_S)
+            if done:
+                return future.result()
+            self._check_open()
+
+    def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
+        """Results of ``refs``; fails as soon as one fails, on shutdown, or at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        left = list(refs)
+        while left:
+            self._check_open()
+            budget = deadline - time.monotonic()
+            if budget <= 0:
+                raise TimeoutError(f"{len(left)} rank(s) did not answer within {timeout_s:g}s")
+            ready, left = ray.wait(left, num_returns=1, timeout=min(_SLICE_S, budget))
+            for ref in ready:
+                ray.get(ref)  # raises the rank's error at once
+        return ray.get(refs)
+
     def _form(self) -> None:
+        """Start generation ``self.generation``'s ranks and join them (caller holds the lock)."""
         cfg = self.config
         self.ranks = []
         for rank in range(cfg.world_size):
@@ -215,33 +401,73 @@ class Deployment:
             )
         timeout = cfg.placement_timeout_s + cfg.consensus_timeout_s
         try:
-            host, port = ray.get(self.ranks[0].start_rendezvous.remote(), timeout=timeout)
-            ray.get([r.join.remote(host, port) for r in self.ranks], timeout=timeout)
+            host, port = self._wait_all([self.ranks[0].start_rendezvous.remote()], timeout)[0]
+            self._wait_all([r.join.remote(host, port) for r in self.ranks], timeout)
         except Exception as exc:
             self._kill_ranks()
+            if isinstance(exc, DeploymentError):
+                raise
             raise DeploymentError(
-                f"deployment {cfg.name!r} (TP={cfg.tp_size}, PP={cfg.pp_size}) did not form: {exc}"
+                f"deployment {cfg.name!r} (TP={cfg.tp_size}, PP={cfg.pp_size}) did not form: "
+                f"{_describe(exc)}"
             ) from exc
         log.info("deployment %s formed (generation %d)", cfg.name, self.generation)
 
     def _reform(self, seen_generation: int, cause: BaseException | None) -> None:
-        """Replace every rank (once per failure, however many callers saw it)."""
+        """Replace every rank (once per failure, however many callers saw it).
+
+        Raises:
+            DeploymentError: the deployment was shut down.
+            _ReformFailed: the new ranks did not form (the deployment is left broken; the
+                next call re-forms again).
+        """
         with self._lock:
-            if self.generation != seen_generation:
+            self._check_open()
+            if self.generation != seen_generation and self.state is DeploymentState.SERVING:
                 return  # another caller already re-formed after this failure
             started = time.monotonic()
-            why = f"{_describe(cause)}; suspects: {', '.join(self._suspects()) or 'none found'}"
+            why = _describe(cause) if cause is not None else f"broken: {self._broken}"
+            if self.ranks:
+                why += f"; suspects: {', '.join(self._suspects()) or 'none found'}"
             log.warning("deployment %s: re-forming after %s", self.config.name, why)
+            self.state = DeploymentState.REFORMING
             self._kill_ranks()
             self.generation += 1
-            self._form()
+            try:
+                self._form()
+            except DeploymentError as exc:
+                seconds = time.monotonic() - started
+                if self._closed.is_set():
+                    raise
+                self.state = DeploymentState.BROKEN
+                self._broken = str(exc)
+                self.reforms.append(
+                    Reform(
+                        generation=self.generation,
+                        cause=why,
+                        seconds=seconds,
+                        ok=False,
+                        error=str(exc),
+                    )
+                )
+                log.error("deployment %s: re-forming failed: %s", self.config.name, exc)
+                raise _ReformFailed(str(exc)) from exc
+            self.state = DeploymentState.SERVING
+            self._broken = None
             self.reforms.append(
-                {
-                    "generation": self.generation,
-                    "cause": why,
-                    "seconds": time.monotonic() - started,
-                }
+                Reform(generation=self.generation, cause=why, seconds=time.monotonic() - started)
             )
+
+    def _mark_broken(self, seen_generation: int, cause: BaseException | None) -> None:
+        """A failure no retry is left for: stop the failed ranks now (the next call
+        re-forms), so that nothing is sent to them meanwhile."""
+        with self._lock:
+            if self.generation != seen_generation or self.state is not DeploymentState.SERVING:
+                return
+            self.state = DeploymentState.BROKEN
+            self._broken = _describe(cause)
+            log.warning("deployment %s: broken by %s", self.config.name, self._broken)
+            self._kill_ranks()
 
     def _suspects(self, timeout_s: float = 2.0) -> list[str]:
         """The ranks that caused a failure, as far as asking them tells: those that do not
@@ -251,20 +477,41 @@ class Deployment:
         found = []
         for rank, ref in enumerate(refs):
             try:
-                health = ray.get(ref, timeout=timeout_s)
+                health: RankHealth = ray.get(ref, timeout=timeout_s)
             except Exception:
                 found.append(f"rank {rank} does not answer (dead or hung)")
                 continue
-            outside = health.get("outside_step_s")
+            outside = health.outside_step_s
             if (
-                health["error"] is None
-                and outside
+                health.error is None
+                and outside is not None
                 and outside > self.config.consensus_timeout_s / 2
             ):
                 found.append(f"rank {rank} stalled outside the step for {outside:.1f} s")
         return found
 
+    def _stop_ranks(self) -> None:
+        """Stop the step loops (failing what is pending), then kill the ranks."""
+        ranks = self.ranks
+        if ranks:
+            # Every rank first expects its peers to go away; then rank 0's loop (which
+            # sets the pace) ends, and the others' collectives end with it.
+            try:
+                ray.wait(
+                    [r.request_stop.remote() for r in ranks],
+                    num_returns=len(ranks),
+                    timeout=_STOP_S,
+                )
+                ray.wait([ranks[0].stop.remote()], timeout=_STOP_S)
+            except Exception as exc:  # a dead rank: nothing to stop
+                log.debug("deployment %s: stopping ranks: %s", self.config.name, exc)
+        self._kill_ranks()
+
     def _kill_ranks(self) -> None:
         for actor in self.ranks:
             ray.kill(actor, no_restart=True)
         self.ranks = []
+
+
+class _ReformFailed(DeploymentError):
+    """A re-forming did not complete (the deployment is broken until the next one)."""

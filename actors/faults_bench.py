@@ -163,7 +163,7 @@ def _scenario(name: str, opts: FaultOptions, log: Callable[[str], None]) -> list
                 recovery = time.monotonic() - injected
             deployment.wait_idle(timeout_s=120)
         if deployment.reforms:
-            recovery = deployment.reforms[-1]["seconds"]
+            recovery = deployment.reforms[-1].seconds
         seen = _storage_counts(deployment)
     finally:
         deployment.shutdown()

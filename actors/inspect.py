@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import msgspec
 import ray
 
 from actors.ray_store import NAMESPACE
@@ -76,6 +77,6 @@ def _ask(name: str, timeout_s: float) -> dict[str, Any]:
         answers: list[Any] = ray.get(
             [actor.health.remote(), actor.stats.remote()], timeout=timeout_s
         )
-        return {"health": answers[0], "stats": answers[1]}
+        return {"health": msgspec.to_builtins(answers[0]), "stats": answers[1]}
     except Exception as exc:
         return {"health": {"stepping": False, "error": repr(exc)}, "stats": None}

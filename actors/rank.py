@@ -3,15 +3,21 @@
 Life of an actor: :meth:`RankActor.start_rendezvous` (rank 0: bind the TCP store on port
 0), :meth:`RankActor.join` (every rank at once: the cache-consensus group over every rank,
 its stage's TP group for the model, and with PP a group for the stage pipe; then the
-controller, the model shard, the runtime, and the step thread). The step thread runs
-:meth:`RankRuntime.step` in lock step with the other ranks; rank 0 feeds it the requests
-that :meth:`RankActor.generate` receives and resolves each caller's future with its
-result. Idle, rank 0 still steps every ``idle_step_s`` (the others wait in the collective),
-so the consensus timeout only fires when a rank is really gone or stalled.
+controller, the model shard, the runtime, and the step loop), :meth:`RankActor.stop`.
+The :class:`~hicache_ray.step_loop.StepLoop` runs :meth:`RankRuntime.step` in lock step with
+the other ranks; rank 0 feeds it the requests that :meth:`RankActor.generate` receives and
+resolves each caller's future with its result. Idle, rank 0 still steps every
+``idle_step_s`` (the others wait in the collective), so the consensus timeout only fires
+when a rank is really gone or stalled.
 
-When a step fails (a peer died, a collective timed out, a rank raised), the thread stops,
-records why, and fails every pending request with :class:`RankFailure`; the driver's
-:class:`~actors.deployment.Deployment` then re-forms the ranks and retries them.
+When a step fails (a peer died, a collective timed out), the loop ends, records why, and
+fails every pending request with :class:`RankFailure`; the driver's
+:class:`~actors.deployment.Deployment` then re-forms the ranks and retries them. A stopped
+rank (``stop``) fails them with a ``RankFailure`` saying so, and stays quiet about the
+collectives its peers break on their way down.
+
+Threads: the event loop (``generate`` and the inspection calls), the step loop, and Ray's
+thread pool for ``join``. ``_lock`` guards ``_inbox``, ``_waiters`` and ``_stopped``.
 """
 
 from __future__ import annotations
@@ -21,9 +27,6 @@ import logging
 import os
 import threading
 import time
-import traceback
-from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -36,18 +39,29 @@ from hicache_ray.errors import HiCacheError
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.model import ReferenceModel, gloo_tp_all_reduce
 from hicache_ray.model.pipe import StagePipe
-from hicache_ray.runtime import GenerateRequest, RankRuntime, RequestResult
+from hicache_ray.request import (
+    GenerateRequest,
+    RequestError,
+    RequestResult,
+    check_request,
+    error_result,
+)
+from hicache_ray.runtime import RankRuntime
+from hicache_ray.stats import RankHealth
+from hicache_ray.step_loop import StepLoop
 
 __all__ = ["RankActor", "RankFailure"]
 
 log = logging.getLogger(__name__)
 
-_BUSY_STEP_S = 0.002  # background work pending (copies, backups): step this often
+_BUSY_STEP_S = 0.005  # background work pending (copies, backups): step this often
+_WAITING_STEP_S = 0.02  # requests wait on their prefetches: step at most this often
 _PUBLISH_EVERY_S = 1.0
 
 
 class RankFailure(HiCacheError, RuntimeError):
-    """The ranks of a deployment stopped stepping (a rank died, stalled or raised)."""
+    """The ranks of a deployment stopped stepping (a rank died, stalled, raised or was
+    stopped)."""
 
 
 class RankActor:
@@ -76,15 +90,12 @@ class RankActor:
         self._lock = threading.Lock()
         self._inbox: list[GenerateRequest] = []  # guarded by _lock
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stopped: str | None = None  # guarded by _lock: why no request is taken
+        self._loop: StepLoop | None = None
         self.error: str | None = None
         self._publisher = StatsPublisher(config.name, rank)
         self._published_at = 0.0
         self._pause_s = 0.0
-        self._in_step = False
-        self._step_ended = time.monotonic()
-        self._chores: list[tuple[Callable[[], Any], Future[Any]]] = []  # guarded by _lock
 
     # --------------------------------------------------------------- forming
 
@@ -148,28 +159,51 @@ class RankActor:
         )
         model = ReferenceModel(cfg.model, shard, tp_all_reduce=tp_reduce, device=self.device)
         self.runtime = RankRuntime(self.controller, model, pipe=pipe, reuse_prefix=cfg.reuse_prefix)
-        self._thread = threading.Thread(target=self._loop, name=f"hicache-rank{rank}", daemon=True)
-        self._thread.start()
+        self._loop = StepLoop(
+            self._step, pace=self._pace, on_error=self._stopped_by, name=f"hicache-rank{rank}"
+        )
+        self._loop.start()
 
     # -------------------------------------------------------------- requests
 
     async def generate(self, request: GenerateRequest) -> RequestResult:
         """Rank 0: run ``request`` to completion; raises :class:`RankFailure` when the
-        ranks stopped stepping before it finished."""
+        ranks stopped stepping before it finished (or were stopped)."""
         if self.rank != 0:
             raise ValueError("requests go to rank 0")
+        try:
+            request = check_request(request)
+        except RequestError as exc:
+            return error_result(request, str(exc))
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
-            if self.error is not None:
-                raise RankFailure(f"rank {self.rank} stopped: {self.error}")
+            if self._stopped is not None:
+                raise RankFailure(f"rank {self.rank} stopped: {self._stopped}")
             if request.rid in self._waiters:
-                return RequestResult(rid=request.rid, error="request id already in flight")
+                error = f"rid: request id {request.rid!r} is already in flight"
+                return RequestResult(rid=request.rid, error=error)
             self._waiters[request.rid] = (loop, future)
             self._inbox.append(request)
-        self._wake.set()
+        if self._loop is not None:
+            self._loop.wake()
         result: RequestResult = await future
         return result
+
+    def stop(self, reason: str = "the deployment was shut down", timeout_s: float = 10.0) -> bool:
+        """Stop taking requests, fail the pending ones, stop the step loop after its current
+        step; returns whether the loop ended within ``timeout_s`` (a rank blocked in a
+        collective ends only when its peers stop or die)."""
+        self._fail_pending(reason)
+        if self._loop is None:
+            return True
+        return self._loop.stop(timeout_s)
+
+    def request_stop(self) -> None:
+        """Mark the step loop as stopping (without waiting), so that the collectives its
+        stopping peers break are expected, not failures."""
+        if self._loop is not None:
+            self._loop.request_stop()
 
     # ------------------------------------------------------------ inspection
 
@@ -184,27 +218,27 @@ class RankActor:
                 out["storage"] = msgspec.to_builtins(self.controller.storage.stats())
         return out
 
-    def health(self) -> dict[str, Any]:
-        """``stepping`` (the step thread runs), ``steps``, ``error``, and where the thread
-        is: ``in_step`` (in a step, possibly waiting in a collective) or for how long it has
-        been outside one (``outside_step_s``: a stalled rank's grows past the timeout)."""
-        alive = self._thread is not None and self._thread.is_alive()
-        steps = self.controller.stats_.steps if self.controller is not None else 0
-        outside = None if self._in_step else time.monotonic() - self._step_ended
-        return {
-            "rank": self.rank,
-            "stepping": alive,
-            "steps": steps,
-            "error": self.error,
-            "in_step": self._in_step,
-            "outside_step_s": outside,
-        }
+    def health(self) -> RankHealth:
+        """Whether the step loop runs, its step count and error, and where it is: inside a
+        step (possibly waiting in a collective) or for how long it has been outside one."""
+        loop = self._loop
+        return RankHealth(
+            rank=self.rank,
+            generation=self.generation,
+            stepping=loop is not None and loop.running and not loop.stopping,
+            steps=loop.steps if loop is not None else 0,
+            error=self.error,
+            in_step=loop.in_step if loop is not None else False,
+            outside_step_s=loop.outside_step_s if loop is not None else None,
+        )
 
     def idle(self) -> bool:
         """Rank 0: no request in flight and, as of the last step, no rank has background
         work (host writes, prefetches, backups) left."""
         rt = self.runtime
-        return rt is not None and not (self._inbox or rt.has_work or rt.busy)
+        with self._lock:
+            inbox = bool(self._inbox)
+        return rt is not None and not (inbox or rt.has_work or rt.busy)
 
     def pause(self, seconds: float) -> None:
         """Fault injection (tests, ``bench faults``): the step thread stalls for
@@ -219,84 +253,99 @@ class RankActor:
             raise ValueError(f"unknown phase {phase!r}")
         assert self.runtime is not None
 
-        def crash(reached: str) -> None:
+        def crash(reached: str, rid: str) -> None:
             if reached == phase:
                 log.error("rank %d: crashing at %s (fault injection)", self.rank, phase)
                 os._exit(1)
 
         self.runtime.on_phase = crash
 
+    def raise_for(self, rid: str, phase: str = "prefill") -> None:
+        """Fault injection: raise while running request ``rid`` at ``phase`` ("prefill" or
+        "decode"), as a request that breaks the model code would (on every rank asked)."""
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"unknown phase {phase!r}")
+        assert self.runtime is not None
+
+        def poison(reached: str, current: str) -> None:
+            if reached == phase and current == rid:
+                raise ValueError(f"injected failure of {rid} at {phase}")
+
+        self.runtime.on_phase = poison
+
     def check_integrity(self) -> None:
         """The cache's invariants, checked between two steps."""
         if self.controller is not None:
-            self._between_steps(self.controller.cache.check_integrity)
+            self._between_steps(self.controller.check_integrity)
 
     def evict_all(self) -> dict[str, int]:
         """Between two steps: evict every unlocked page; the pages still in use (none
         after a drain, unless locks leaked) and the cache's invariants checked."""
         assert self.controller is not None
-        cache = self.controller.cache
+        controller = self.controller
 
         def evict() -> dict[str, int]:
-            device, host = cache.evict_all()
-            cache.check_integrity()
+            device, host = controller.cache.evict_all()
+            controller.check_integrity()
             return {"device_pages_used": device, "host_pages_used": host}
 
         result: dict[str, int] = self._between_steps(evict)
         return result
 
-    def _between_steps(self, chore: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    def _between_steps(self, chore: Any, timeout_s: float = 60.0) -> Any:
         """Run ``chore`` on the step thread between two steps (it owns the cache)."""
-        if self._thread is None or not self._thread.is_alive():
-            return chore()  # not stepping: nothing else touches the cache
-        done: Future[Any] = Future()
-        with self._lock:
-            self._chores.append((chore, done))
-        self._wake.set()
-        return done.result(timeout=timeout_s)
+        if self._loop is None:
+            return chore()
+        return self._loop.between_steps(chore, timeout_s)
 
     # ------------------------------------------------------------- stepping
 
-    def _loop(self) -> None:
-        rt, cfg = self.runtime, self.config
+    def _pace(self) -> float:
+        """Seconds the step loop waits before the next step (rank 0 sets the pace; the
+        others follow it, waiting in the step's collectives)."""
+        if self._pause_s:  # fault injection: stall outside the step, as a hung rank would
+            pause, self._pause_s = self._pause_s, 0.0
+            time.sleep(pause)
+        rt = self.runtime
+        if self.rank != 0 or rt is None:
+            return 0.0
+        with self._lock:
+            inbox = bool(self._inbox)
+        if inbox or rt.has_runnable_work:
+            return 0.0
+        if rt.has_work:  # admitted requests wait on prefetches: no need to spin
+            return _WAITING_STEP_S
+        return _BUSY_STEP_S if rt.busy else self.config.idle_step_s
+
+    def _step(self) -> None:
+        rt = self.runtime
         assert rt is not None
-        try:
-            while True:  # until the actor is killed or a step fails
-                with self._lock:
-                    chores, self._chores = self._chores, []
-                for chore, done in chores:
-                    try:
-                        done.set_result(chore())
-                    except Exception as exc:
-                        done.set_exception(exc)
-                if self._pause_s:
-                    pause, self._pause_s = self._pause_s, 0.0
-                    time.sleep(pause)
-                if self.rank == 0:
-                    if not (self._inbox or rt.has_work or self._chores):
-                        self._wake.wait(_BUSY_STEP_S if rt.busy else cfg.idle_step_s)
-                    self._wake.clear()
-                    with self._lock:
-                        inbox, self._inbox = self._inbox, []
-                    for request in inbox:
-                        rt.submit(request)
-                self._in_step = True
-                results = rt.step()
-                self._in_step, self._step_ended = False, time.monotonic()
-                for result in results:
-                    self._resolve(result)
-                now = time.monotonic()
-                if now - self._published_at >= _PUBLISH_EVERY_S and self.controller is not None:
-                    self._published_at = now
-                    self._publisher.publish(self.controller.stats())
-        except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
-            log.error("rank %d stopped stepping: %s\n%s", self.rank, exc, traceback.format_exc())
+        if self.rank == 0:
             with self._lock:
-                waiters, self._waiters = self._waiters, {}
-            failure = RankFailure(f"rank {self.rank} stopped: {self.error}")
-            for loop, future in waiters.values():
-                loop.call_soon_threadsafe(_fail, future, failure)
+                inbox, self._inbox = self._inbox, []
+            for request in inbox:
+                rt.submit(request)
+        for result in rt.step():
+            self._resolve(result)
+        now = time.monotonic()
+        if now - self._published_at >= _PUBLISH_EVERY_S and self.controller is not None:
+            self._published_at = now
+            self._publisher.publish(self.controller.stats())
+
+    def _stopped_by(self, exc: BaseException) -> None:
+        """On the step thread: the loop ended because a step raised."""
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.error("rank %d stopped stepping: %s", self.rank, self.error, exc_info=exc)
+        self._fail_pending(self.error)
+
+    def _fail_pending(self, reason: str) -> None:
+        with self._lock:
+            if self._stopped is None:
+                self._stopped = reason
+            waiters, self._waiters = self._waiters, {}
+        failure = RankFailure(f"rank {self.rank} stopped: {reason}")
+        for loop, future in waiters.values():
+            loop.call_soon_threadsafe(_fail, future, failure)
 
     def _resolve(self, result: RequestResult) -> None:
         with self._lock:

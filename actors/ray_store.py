@@ -349,13 +349,12 @@ def shared_storage(
     faults: tuple[Fault, ...] = (),
     fault_seed: int = 0,
 ) -> StorageConfig:
-    """A ``ray`` L3 that deployments of TP 1, 2 and 4 share (unified keys, ``tp_lcm_size``
-    4, one KV head per object), with optional fault-injection rules."""
+    """A ``ray`` L3 that deployments of TP 1, 2 and 4 share (unified keys, one KV head per
+    object for 4-head models), with optional fault-injection rules."""
     return StorageConfig(
         backend="ray",
         model_id=model_id,
-        tp_lcm_size=4,
-        head_group=1,
+        share_tp=(1, 2, 4),
         ray=options,
         faults=faults,
         fault_seed=fault_seed,

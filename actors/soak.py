@@ -163,7 +163,7 @@ def run_soak(opts: SoakOptions, log: Callable[[str], None]) -> list[Figure]:
     wrong = sum(r.output_tokens != recompute(model, p, opts.answer_tokens) for p, r in sample)
     hits = sum(r.device_hit_tokens + r.host_hit_tokens for _, r in served)
     l3 = sum(r.storage_hit_tokens for _, r in served)
-    recovery = max((x["seconds"] for x in reforms), default=0.0)
+    recovery = max((x.seconds for x in reforms), default=0.0)
     log(
         f"soak: {len(served)} requests served, {failed} failed, {wrong} of {len(sample)} sampled "
         f"wrong, {injected} faults injected, {len(reforms)} re-formings (longest "

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import msgspec
 
-from hicache_ray.config import CacheConfig
+from hicache_ray.checks import (
+    check_custom_resources,
+    check_not_negative,
+    check_positive,
+    check_types,
+)
+from hicache_ray.config import CacheConfig, is_plain_name
 from hicache_ray.errors import ConfigError
+from hicache_ray.keys import describe_sharing, plan_objects
+from hicache_ray.layout import Shard, ShardKV, host_pool_pages
 from hicache_ray.model import ModelConfig, preset
 
 __all__ = ["DeploymentConfig"]
@@ -55,18 +63,24 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     reuse_prefix: bool = True
 
     def __post_init__(self) -> None:
-        if not self.name.replace("-", "").replace("_", "").isalnum():
+        check_types(self)
+        if not is_plain_name(self.name):
             raise ConfigError("name", self.name, "not a plain name", "use letters, digits, - and _")
-        if self.tp_size < 1 or self.pp_size < 1:
-            raise ConfigError(
-                "tp_size/pp_size", (self.tp_size, self.pp_size), "must be >= 1", "use 1 or more"
-            )
+        check_positive("tp_size", self.tp_size)
+        check_positive("pp_size", self.pp_size)
         if self.model.num_kv_heads % self.tp_size:
             raise ConfigError(
                 "tp_size",
                 self.tp_size,
                 f"does not divide the model's {self.model.num_kv_heads} KV heads",
                 "pick a TP size that divides the KV heads",
+            )
+        if self.model.intermediate_size % self.tp_size:
+            raise ConfigError(
+                "tp_size",
+                self.tp_size,
+                f"does not divide the model's intermediate_size={self.model.intermediate_size}",
+                "pick a TP size that divides the MLP width",
             )
         if self.model.num_layers < self.pp_size:
             raise ConfigError(
@@ -75,6 +89,17 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"exceeds the model's {self.model.num_layers} layers",
                 "use at most one stage per layer",
             )
+        check_positive("cpus_per_rank", self.cpus_per_rank)
+        check_not_negative("gpus_per_rank", self.gpus_per_rank)
+        check_custom_resources(
+            "bundle_resources",
+            self.bundle_resources,
+            "set CPUs and GPUs with cpus_per_rank / gpus_per_rank",
+        )
+        check_not_negative("host_budget_bytes", self.host_budget_bytes)
+        check_positive("consensus_timeout_s", self.consensus_timeout_s)
+        check_positive("collective_timeout_s", self.collective_timeout_s)
+        check_positive("placement_timeout_s", self.placement_timeout_s)
         if not 0 < self.idle_step_s < self.consensus_timeout_s:
             raise ConfigError(
                 "idle_step_s",
@@ -84,7 +109,30 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_retries < 0:
             raise ConfigError("max_retries", self.max_retries, "negative", "use 0 for none")
+        if self.host_budget_bytes:
+            # The pools of the stage with the most layers must fit the budget (a CPU
+            # device's pool counts too): refused here, before anything is placed.
+            last = Shard(tp_size=self.tp_size, pp_size=self.pp_size, pp_rank=self.pp_size - 1)
+            kv = ShardKV(model=self.model.model_kv(), shard=last, page_size=self.cache.page_size)
+            host_pool_pages(
+                self.cache, kv, self.host_budget_bytes, device_in_host_memory=not self.gpus_per_rank
+            )
+        if self.cache.storage.backend != "none" and self.cache.storage.key_scheme == "unified":
+            # Before anything is placed: a grid the model cannot tile is refused here.
+            model_kv = self.model.model_kv()
+            for pp_rank in range(self.pp_size):
+                shard = Shard(tp_size=self.tp_size, pp_size=self.pp_size, pp_rank=pp_rank)
+                plan_objects(
+                    ShardKV(model=model_kv, shard=shard, page_size=self.cache.page_size),
+                    self.cache.storage,
+                )
 
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    def sharing(self) -> str:
+        """Who this deployment's L3 pages are shared with (the launch log line)."""
+        return describe_sharing(
+            self.model.model_kv(), self.tp_size, self.pp_size, self.cache.storage
+        )

@@ -2,7 +2,7 @@
 
 Conversations start on TP=2; their next turns go to TP=4, which starts with empty pools
 and finds the history in L3 (the Ray object store): pages are named by what they hold
-(unified keys, ``tp_lcm_size`` 4), so a TP=2 rank's objects are exactly two TP=4 ranks'.
+(unified keys, ``share_tp=(2, 4)``), so a TP=2 rank's objects are exactly two TP=4 ranks'.
 
 On a real cluster, give the nodes of each deployment a custom resource and pass it:
 
@@ -56,9 +56,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     cache = CacheConfig(
         memory=MemoryConfig(page_size=16, device_tokens=2048),
         prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0),
-        storage=StorageConfig(
-            backend="ray", model_id=model.name, tp_lcm_size=4, head_group=1, ray=store
-        ),
+        storage=StorageConfig(backend="ray", model_id=model.name, share_tp=(2, 4), ray=store),
     )
 
     def launch(tp: int, resource: str | None) -> Deployment:

@@ -1,4 +1,4 @@
-"""A Ray Serve app that owns a TP=2 deployment and answers HTTP JSON requests.
+"""A Ray Serve app that owns a TP=2 deployment and answers HTTP JSON requests of token ids.
 
 The replica reserves its ranks' bundles with ``placement_group_bundles`` (the replica
 itself takes no CPU in bundle 0), and ``Deployment.launch`` reuses that placement group.
@@ -6,9 +6,12 @@ itself takes no CPU in bundle 0), and ``Deployment.launch`` reuses that placemen
     serve run examples.serve_app:app         # or: python examples/serve_app.py
     curl -X POST http://127.0.0.1:8000/ -d '{"tokens": [1, 2, 3, 4], "max_new_tokens": 8}'
 
-Answer: ``{"rid", "output_tokens", "device_hit_tokens", "host_hit_tokens",
-"storage_hit_tokens", "recomputed_tokens", "ttft_s", ...}`` (a ``RequestResult``), or
-``{"error": ...}`` with status 400 for a bad request.
+Body: ``{"tokens": [int, ...], "max_new_tokens": int (default 16), "rid": str (optional)}``,
+decoded strictly (no coercion: ``"1234"``, ``1.9``, ``true`` or a dict are refused), at most
+``MAX_BODY_BYTES``. Answer: a ``RequestResult`` as JSON (``rid``, ``output_tokens``,
+``device_hit_tokens``, ...); ``{"error": ...}`` with status 400 for a bad body or request,
+413 for a body over the limit, 503 when the deployment cannot serve. The ``rid`` is made
+here unless the client sends a valid one.
 """
 
 from __future__ import annotations
@@ -23,11 +26,48 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from actors import Deployment, DeploymentConfig
+from actors.deployment import DeploymentError
 from hicache_ray.config import CacheConfig, MemoryConfig, RayStorageOptions, StorageConfig
 from hicache_ray.model import preset
-from hicache_ray.runtime import GenerateRequest
+from hicache_ray.request import GenerateRequest
 
 TP = 2
+MAX_BODY_BYTES = 1 << 20
+
+
+class Body(msgspec.Struct, forbid_unknown_fields=True):
+    """The HTTP request body (decoded strictly)."""
+
+    tokens: list[int]
+    max_new_tokens: int = 16
+    rid: str | None = None
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """The body, or None when it is longer than ``limit`` bytes (read no further)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
+
+
+def decode_body(data: bytes) -> Body | str:
+    """The body, or why it is not a valid one."""
+    try:
+        return msgspec.json.decode(data, type=Body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return f"bad request body: {exc}"
+    except RecursionError:
+        return "bad request body: JSON nested too deeply"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
 
 
 @serve.deployment(
@@ -42,8 +82,7 @@ class CacheApp:
             storage=StorageConfig(
                 backend="ray",
                 model_id=model,
-                tp_lcm_size=4,
-                head_group=1,
+                share_tp=(1, 2, 4),
                 ray=RayStorageOptions(name=store),
             ),
         )
@@ -54,14 +93,19 @@ class CacheApp:
         self._ids = itertools.count()
 
     async def __call__(self, request: Request) -> Any:
+        data = await read_body(request)
+        if data is None:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        body = decode_body(data)
+        if isinstance(body, str):
+            return _error(400, body)
+        rid = body.rid if body.rid is not None else f"http-{os.getpid()}-{next(self._ids)}"
         try:
-            body = await request.json()
-            tokens = [int(t) for t in body["tokens"]]
-            max_new = int(body.get("max_new_tokens", 16))
-        except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"error": f"bad request body: {exc!r}"}, status_code=400)
-        rid = body.get("rid") or f"http-{os.getpid()}-{next(self._ids)}"
-        result = await self.deployment.generate_async(GenerateRequest(rid, tokens, max_new))
+            result = await self.deployment.generate_async(
+                GenerateRequest(rid, body.tokens, body.max_new_tokens)
+            )
+        except DeploymentError as exc:
+            return _error(503, str(exc))
         status = 400 if result.error else 200
         return JSONResponse(msgspec.to_builtins(result), status_code=status)
 

@@ -22,7 +22,14 @@ import torch
 from hicache_ray.config import CacheConfig
 from hicache_ray.errors import HiCacheError, TransferError
 from hicache_ray.layout import ShardKV, host_pool_pages
-from hicache_ray.memory import DevicePool, HostPool, Transfer, TransferEngine, host_memory_budget
+from hicache_ray.memory import (
+    DevicePool,
+    HostPool,
+    Transfer,
+    TransferEngine,
+    default_device,
+    host_memory_budget,
+)
 from hicache_ray.stats import CacheStats
 from hicache_ray.tree import HiRadixTree, TreeNode, write_rule
 from hicache_ray.tree.tokens import TokenIds, encode_tokens
@@ -92,10 +99,11 @@ class HiCache:
         self.page_size = config.page_size
         budget = host_memory_budget() if host_budget_bytes is None else host_budget_bytes
         mem = config.memory
+        device = device or default_device()
+        # Sized (and refused) before either pool allocates a byte.
+        host_pages = host_pool_pages(config, kv, budget, device_in_host_memory=device.type == "cpu")
         self.device_pool = DevicePool(kv, mem.num_device_pages, device)
-        self.host_pool = HostPool(
-            kv, host_pool_pages(config, kv, budget), mem.mem_layout, layer_granule=mem.layer_granule
-        )
+        self.host_pool = HostPool(kv, host_pages, mem.mem_layout, layer_granule=mem.layer_granule)
         self.transfers = TransferEngine(self.device_pool, self.host_pool, num_copy_workers)
         self.tree = HiRadixTree(self.page_size)
         self.rule = write_rule(config.write)

@@ -8,10 +8,18 @@ Checks that need the model's KV facts (host pool versus device pool size) live i
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
 import msgspec
 
+from hicache_ray.checks import (
+    check_choice,
+    check_custom_resources,
+    check_fraction,
+    check_not_negative,
+    check_positive,
+    check_types,
+)
 from hicache_ray.errors import ConfigError
 
 __all__ = [
@@ -60,22 +68,6 @@ def compatible_io_backends(layout: str) -> tuple[str, ...]:
     return tuple(b for b, layouts in _COMPATIBLE.items() if layout in layouts)
 
 
-def _check_choice(field: str, value: str, literal: object) -> None:
-    choices = get_args(literal)
-    if value not in choices:
-        raise ConfigError(field, value, "unknown name", f"use one of {', '.join(choices)}")
-
-
-def _check_not_negative(field: str, value: float) -> None:
-    if value < 0:
-        raise ConfigError(field, value, "negative", "use 0 or more")
-
-
-def _check_positive(field: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(field, value, "must be positive", "set a value above 0")
-
-
 class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
     """L1 (device) and L2 (host) pool settings.
 
@@ -87,8 +79,9 @@ class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
         hicache_size_bytes: host pool size in bytes; 0 means "use hicache_ratio".
         mem_layout: host pool layout.
         io_backend: how pages move between tiers; must suit ``mem_layout``.
-        layer_granule: layers per storage object and per group of ``page_first_direct``;
-            0 means all layers of the rank.
+        layer_granule: layers per group of the ``page_first_direct`` host layout; 0 means
+            all layers of the rank in one group. (Which layers a storage object holds follows
+            from ``StorageConfig.share_pp``.)
     """
 
     page_size: int = 64
@@ -100,12 +93,13 @@ class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_granule: int = 0
 
     def __post_init__(self) -> None:
-        _check_positive("page_size", self.page_size)
+        check_types(self)
+        check_positive("page_size", self.page_size)
         if self.page_size & (self.page_size - 1):
             raise ConfigError(
                 "page_size", self.page_size, "not a power of two", "use 16, 32, 64, 128, ..."
             )
-        _check_positive("device_tokens", self.device_tokens)
+        check_positive("device_tokens", self.device_tokens)
         if self.device_tokens < self.page_size:
             raise ConfigError(
                 "device_tokens",
@@ -113,8 +107,8 @@ class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"smaller than one page ({self.page_size} tokens)",
                 "give the device pool at least one page",
             )
-        _check_positive("hicache_ratio", self.hicache_ratio)
-        if self.hicache_size_bytes < 0:
+        check_positive("hicache_ratio", self.hicache_ratio)
+        if not self.hicache_size_bytes >= 0:
             raise ConfigError(
                 "hicache_size_bytes", self.hicache_size_bytes, "negative", "use 0 or a byte count"
             )
@@ -122,8 +116,8 @@ class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(
                 "layer_granule", self.layer_granule, "negative", "use 0 (all layers) or more"
             )
-        _check_choice("mem_layout", self.mem_layout, MemLayout)
-        _check_choice("io_backend", self.io_backend, IoBackend)
+        check_choice("mem_layout", self.mem_layout, MemLayout)
+        check_choice("io_backend", self.io_backend, IoBackend)
         if self.mem_layout not in _COMPATIBLE[self.io_backend]:
             raise ConfigError(
                 "io_backend",
@@ -151,7 +145,8 @@ class WriteConfig(msgspec.Struct, frozen=True, kw_only=True):
     hit_threshold: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("write_policy", self.policy, WritePolicy)
+        check_choice("write_policy", self.policy, WritePolicy)
+        check_types(self)
         if self.hit_threshold < 0:
             raise ConfigError(
                 "hit_threshold", self.hit_threshold, "negative", "use 0 (default) or more"
@@ -182,19 +177,16 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_host_fraction: float = 0.5
 
     def __post_init__(self) -> None:
-        _check_choice("prefetch_policy", self.policy, PrefetchPolicy)
+        check_choice("prefetch_policy", self.policy, PrefetchPolicy)
+        check_types(self)
         if self.threshold_tokens < 0:
             raise ConfigError(
                 "prefetch_threshold", self.threshold_tokens, "negative", "use 0 or more tokens"
             )
-        for name in ("timeout_base_s", "timeout_per_1k_tokens_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, getattr(self, name), "negative", "use 0 or more seconds")
-        _check_positive("timeout_cap_s", self.timeout_cap_s)
-        if not 0 < self.max_host_fraction <= 1:
-            raise ConfigError(
-                "max_host_fraction", self.max_host_fraction, "outside (0, 1]", "use e.g. 0.5"
-            )
+        check_not_negative("timeout_base_s", self.timeout_base_s)
+        check_not_negative("timeout_per_1k_tokens_s", self.timeout_per_1k_tokens_s)
+        check_positive("timeout_cap_s", self.timeout_cap_s)
+        check_fraction("max_host_fraction", self.max_host_fraction)
 
     def timeout_s(self, num_tokens: int) -> float:
         """The deadline of a ``timeout`` prefetch of ``num_tokens`` tokens."""
@@ -237,12 +229,15 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
+        check_types(self, "fault.")
         if self.op not in _FAULT_OPS.get(self.kind, ()):
             raise ConfigError(
                 "fault", f"{self.kind} on {self.op}", "not supported", f"use {_FAULT_OPS}"
             )
         if not 0 <= self.probability <= 1:
             raise ConfigError("fault.probability", self.probability, "outside [0, 1]", "fix it")
+        for name in ("skip", "limit", "delay_s"):
+            check_not_negative(f"fault.{name}", getattr(self, name))
 
 
 class MemoryStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -256,7 +251,8 @@ class MemoryStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
     capacity_bytes: int = 0
 
     def __post_init__(self) -> None:
-        _check_not_negative("memory.capacity_bytes", self.capacity_bytes)
+        check_types(self, "memory.")
+        check_not_negative("memory.capacity_bytes", self.capacity_bytes)
 
 
 class FileStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -270,16 +266,22 @@ class FileStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
         metadata_ttl_s: how long a cached "this page exists" answer is trusted before the
             filesystem is asked again (pages other processes delete show up after this).
         scan_on_start: list ``root`` at start-up to learn this namespace's existing pages.
+        timeout_s: for S3 roots, how long one request may take (connecting included) before
+            it fails; requests are not retried, so a batch against an unreachable endpoint
+            fails within about this long (a miss, never an error to the request).
     """
 
     root: str = ""
     capacity_bytes: int = 0
     metadata_ttl_s: float = 5.0
     scan_on_start: bool = True
+    timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _check_not_negative("file.capacity_bytes", self.capacity_bytes)
-        _check_not_negative("file.metadata_ttl_s", self.metadata_ttl_s)
+        check_types(self, "file.")
+        check_not_negative("file.capacity_bytes", self.capacity_bytes)
+        check_not_negative("file.metadata_ttl_s", self.metadata_ttl_s)
+        check_positive("file.timeout_s", self.timeout_s)
 
 
 class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -297,6 +299,9 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
         object_bytes: pages of one put are grouped into objects of about this size.
         timeout_s: how long one call to a shard or one object fetch may take before the
             batch counts as failed (a miss, never an error to the request).
+        metadata_ttl_s: how long a client trusts "this page exists" before asking the
+            shard again (a page the shard evicted meanwhile reads as a miss); 0 asks every
+            time. Absence is never cached.
         shard_resources: custom resources each shard actor asks for, to keep the shards
             (and the objects they own) on chosen nodes, e.g. ``{"l3_owner": 0.01}`` for the
             nodes started with ``--resources '{"l3_owner": 1}'``; a shard whose node is lost
@@ -308,32 +313,61 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
     capacity_bytes: int = 0
     object_bytes: int = 8 << 20
     timeout_s: float = 30.0
+    metadata_ttl_s: float = 2.0
     shard_resources: dict[str, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+        check_types(self, "ray.")
+        if not is_plain_name(self.name):
             raise ConfigError(
                 "ray.name", self.name, "not a plain name", "use letters, digits, '-' and '_'"
             )
-        _check_positive("ray.num_shards", self.num_shards)
-        _check_not_negative("ray.capacity_bytes", self.capacity_bytes)
-        _check_positive("ray.object_bytes", self.object_bytes)
-        _check_positive("ray.timeout_s", self.timeout_s)
+        check_positive("ray.num_shards", self.num_shards)
+        check_not_negative("ray.capacity_bytes", self.capacity_bytes)
+        check_positive("ray.object_bytes", self.object_bytes)
+        check_positive("ray.timeout_s", self.timeout_s)
+        check_not_negative("ray.metadata_ttl_s", self.metadata_ttl_s)
+        check_custom_resources(
+            "ray.shard_resources",
+            self.shard_resources,
+            "name a custom node resource (CPUs and GPUs are not for shards)",
+        )
+
+
+def is_plain_name(name: str) -> bool:
+    """Letters, digits, ``-`` and ``_``; non-empty; at most 64 characters."""
+    return (
+        0 < len(name) <= 64 and name.replace("-", "").replace("_", "").isalnum() and name.isascii()
+    )
+
+
+def _check_sizes(field: str, sizes: tuple[int, ...]) -> None:
+    for size in sizes:
+        check_positive(field, size)
+    if len(set(sizes)) != len(sizes):
+        raise ConfigError(field, sizes, "lists a size twice", "list each size once")
 
 
 class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """L3 settings: backend, key namespace and batching.
+    """L3 settings: backend, key namespace, sharing and batching.
 
     Attributes:
         backend: registered backend name (``memory``, ``file``, ``ray``), or ``none``.
         batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch.
-        key_scheme: ``unified`` (shared across TP and PP sizes) or ``rank-suffix``.
+        key_scheme: ``unified`` (SGLang's topology-free keys, shared across TP and PP
+            sizes) or ``rank-suffix``.
         model_id: model name in the namespace; required with a backend.
-        model_revision: model revision (weights change -> different pages).
-        tenant_salt: seeds the page hash so tenants never share pages; empty for none.
-        head_group: KV heads per storage object; 0 derives it from ``tp_lcm_size``.
-        tp_lcm_size: least common multiple of the TP sizes that will share the store;
-            0 means "only this TP size" (logged at start-up).
+        model_revision: model revision (weights change -> different pages); it becomes
+            part of the namespace's model id (``{model_id}@{revision}``).
+        tenant_salt: seeds the page-hash chain (SGLang's ``cache_salt``), so tenants never
+            share pages; empty for none.
+        share_tp: the TP sizes of every deployment (hicache-ray or SGLang) that shares
+            this store; the KV heads per stored object follow from it (total heads / lcm
+            of the sizes). Empty: only deployments of this TP size share (logged at
+            launch).
+        share_pp: the PP sizes that share this store; the layers per stored object follow
+            from it (the gcd of every split's stage boundaries). Empty: only this PP
+            split shares.
         memory: options of the ``memory`` backend.
         file: options of the ``file`` backend.
         ray: options of the ``ray`` backend.
@@ -348,8 +382,8 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_id: str = ""
     model_revision: str = ""
     tenant_salt: str = ""
-    head_group: int = 0
-    tp_lcm_size: int = 0
+    share_tp: tuple[int, ...] = ()
+    share_pp: tuple[int, ...] = ()
     memory: MemoryStorageOptions = msgspec.field(default_factory=MemoryStorageOptions)
     file: FileStorageOptions = msgspec.field(default_factory=FileStorageOptions)
     ray: RayStorageOptions = msgspec.field(default_factory=RayStorageOptions)
@@ -357,10 +391,11 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     fault_seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_positive("storage_batch_size", self.batch_size_pages)
-        _check_choice("key_scheme", self.key_scheme, KeyScheme)
-        _check_not_negative("head_group", self.head_group)
-        _check_not_negative("tp_lcm_size", self.tp_lcm_size)
+        check_types(self)
+        check_positive("storage_batch_size", self.batch_size_pages)
+        _check_sizes("share_tp", self.share_tp)
+        _check_sizes("share_pp", self.share_pp)
+        _check_backend_name(self.backend)
         if self.backend != "none" and not self.model_id:
             raise ConfigError(
                 "model_id",
@@ -373,6 +408,28 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "file.root", self.file.root, "empty", "give a directory or a URI such as s3://b/p"
             )
 
+    @property
+    def namespace_model_id(self) -> str:
+        """The model id the key namespace hashes: ``model_id``, with ``@revision`` if set."""
+        return f"{self.model_id}@{self.model_revision}" if self.model_revision else self.model_id
+
+
+# Backends that register themselves when their package is imported (``ray``: ``actors``).
+LAZY_BACKENDS = ("ray",)
+
+
+def _check_backend_name(name: str) -> None:
+    from hicache_ray.storage.registry import backend_names  # storage imports this module
+
+    known = sorted({*backend_names(), *LAZY_BACKENDS})
+    if name not in known:
+        raise ConfigError(
+            "storage_backend",
+            name,
+            "no backend is registered under this name",
+            f"use one of {', '.join(known)} (or register_backend() yours first)",
+        )
+
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the per-rank cache needs, grouped by concern."""
@@ -383,6 +440,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
+        check_types(self)
         mem = self.memory
         ratio_sized = self.write.policy == "write_through" and not mem.hicache_size_bytes
         if ratio_sized and mem.hicache_ratio <= 1.0:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["AllocatorError", "ConfigError", "HiCacheError", "TransferError"]
+__all__ = [
+    "AllocatorError",
+    "CollectiveError",
+    "ConfigError",
+    "HiCacheError",
+    "TransferError",
+]
 
 
 class HiCacheError(Exception):
@@ -30,3 +36,9 @@ class AllocatorError(HiCacheError, RuntimeError):
 
 class TransferError(HiCacheError, RuntimeError):
     """A copy between tiers failed; the pages it touched hold no valid KV."""
+
+
+class CollectiveError(HiCacheError, RuntimeError):
+    """A collective between the ranks failed (timeout, dead peer, mismatched calls): the
+    group is broken and the deployment must be re-formed. Every other exception raised
+    while running a request is that request's own failure."""

@@ -12,10 +12,19 @@ from typing import Literal
 import msgspec
 import torch
 
+from hicache_ray.checks import check_types
 from hicache_ray.config import CacheConfig
 from hicache_ray.errors import ConfigError
 
-__all__ = ["DTYPES", "ModelKV", "Shard", "ShardKV", "host_pool_pages", "torch_dtype"]
+__all__ = [
+    "DTYPES",
+    "ModelKV",
+    "Shard",
+    "ShardKV",
+    "host_pool_pages",
+    "stage_layers",
+    "torch_dtype",
+]
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float8_e4m3fn"]
 
@@ -55,6 +64,7 @@ class ModelKV(msgspec.Struct, frozen=True, kw_only=True):
     qk_rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be positive", "set it above 0")
@@ -87,6 +97,7 @@ class Shard(msgspec.Struct, frozen=True, kw_only=True):
     attn_cp_size: int = 1
 
     def __post_init__(self) -> None:
+        check_types(self)
         for size, rank in (
             ("tp_size", "tp_rank"),
             ("pp_size", "pp_rank"),
@@ -120,6 +131,7 @@ class ShardKV(msgspec.Struct, frozen=True, kw_only=True):
     page_size: int
 
     def __post_init__(self) -> None:
+        check_types(self)
         m, s = self.model, self.shard
         if not m.is_mla and m.num_kv_heads % s.tp_size:
             raise ConfigError(
@@ -155,11 +167,8 @@ class ShardKV(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def layer_range(self) -> tuple[int, int]:
-        """[first, end) layers of this PP stage; earlier stages take the remainder."""
-        n, p, r = self.model.num_layers, self.shard.pp_size, self.shard.pp_rank
-        base, extra = divmod(n, p)
-        first = r * base + min(r, extra)
-        return first, first + base + (1 if r < extra else 0)
+        """[first, end) layers of this PP stage (see :func:`stage_layers`)."""
+        return stage_layers(self.model.num_layers, self.shard.pp_size, self.shard.pp_rank)
 
     @property
     def num_layers(self) -> int:
@@ -186,12 +195,34 @@ class ShardKV(msgspec.Struct, frozen=True, kw_only=True):
         return self.num_layers * self.page_layer_bytes
 
 
-def host_pool_pages(config: CacheConfig, kv: ShardKV, budget_bytes: int | None = None) -> int:
-    """Pages of the host pool for ``config``, capped by ``budget_bytes`` when given.
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """[first, end) layers of stage ``pp_rank`` of ``pp_size``: an even split whose last
+    ``num_layers % pp_size`` stages take one layer more (SGLang's ``get_pp_indices``, so
+    both engines cut a model at the same layers)."""
+    base, extra = divmod(num_layers, pp_size)
+    short = pp_size - extra  # stages with ``base`` layers; the rest have one more
+    first = pp_rank * base + max(0, pp_rank - short)
+    return first, first + base + (1 if pp_rank >= short else 0)
+
+
+def host_pool_pages(
+    config: CacheConfig,
+    kv: ShardKV,
+    budget_bytes: int | None = None,
+    *,
+    device_in_host_memory: bool = False,
+) -> int:
+    """Pages of the host pool for ``config``, within ``budget_bytes`` when given.
+
+    With a GPU device the host pool alone is capped by the budget. When the device pool
+    also lives in host memory (``device_in_host_memory``: a CPU device), both pools must
+    fit the budget together, and a configuration that does not is refused rather than
+    capped: it names both sizes and the budget.
 
     Raises:
-        ConfigError: when, under write_through, the host pool would not be larger than the
-            device pool (it would leave no room for L3 hits), or has no room for one page.
+        ConfigError: the pools do not fit the budget (CPU device); under write_through the
+            host pool would not be larger than the device pool (no room for L3 hits); or
+            it has no room for one page.
     """
     mem = config.memory
     device_pages = mem.num_device_pages
@@ -201,7 +232,19 @@ def host_pool_pages(config: CacheConfig, kv: ShardKV, budget_bytes: int | None =
     else:
         pages = int(device_pages * mem.hicache_ratio)
         field, value = "hicache_ratio", mem.hicache_ratio
-    if budget_bytes is not None and pages * kv.page_bytes > budget_bytes:
+    if budget_bytes is not None and device_in_host_memory:
+        device_bytes, host_bytes = device_pages * kv.page_bytes, pages * kv.page_bytes
+        if device_bytes + host_bytes > budget_bytes:
+            raise ConfigError(
+                "device_tokens",
+                mem.device_tokens,
+                f"on a CPU device both pools live in host memory: device pool {device_bytes} "
+                f"bytes + host pool {host_bytes} bytes exceed the host memory budget of "
+                f"{budget_bytes} bytes",
+                "lower device_tokens or hicache_ratio / hicache_size_bytes, or raise "
+                "host_budget_bytes if the machine has the memory",
+            )
+    elif budget_bytes is not None and pages * kv.page_bytes > budget_bytes:
         pages = budget_bytes // kv.page_bytes
         field, value = "host memory budget (bytes)", float(budget_bytes)
     if pages <= 0:

@@ -12,10 +12,17 @@ Every rank of a deployment runs :meth:`RankRuntime.step` in lock step; rank 0 al
    generated tokens into the cache and releases its locks.
 
 Requests waiting on a prefetch do not block the others: they are simply not runnable yet.
+
+A request is checked (types, vocabulary, size) before it is admitted, so nothing invalid
+reaches a collective. An exception raised while running one request (not a failed
+collective) fails that request alone: every rank that raised agrees on it through
+:meth:`CacheController.agree_failure` and goes on; a rank that did not raise never joins
+that agreement, so the others time out and the deployment re-forms.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,46 +32,30 @@ import torch
 
 from hicache_ray.cache import CacheFullError, CacheHandle
 from hicache_ray.controller import Arrival, CacheController
+from hicache_ray.errors import CollectiveError
 from hicache_ray.model import ReferenceModel
 from hicache_ray.model.pipe import StagePipe, local_token
+from hicache_ray.request import (
+    GenerateRequest,
+    RequestError,
+    RequestResult,
+    check_limits,
+    check_request,
+    error_result,
+)
 
 __all__ = ["GenerateRequest", "RankRuntime", "RequestResult"]
 
-
-class GenerateRequest(msgspec.Struct, frozen=True):
-    """A prompt and how many tokens to generate greedily."""
-
-    rid: str
-    tokens: list[int]
-    max_new_tokens: int = 16
+log = logging.getLogger(__name__)
 
 
-class RequestResult(msgspec.Struct, kw_only=True):
-    """What one request produced and where its prefix came from.
+class _Options(msgspec.Struct, frozen=True):
+    """What an arrival carries besides its tokens (rank 0 encodes, every rank decodes)."""
 
-    Attributes:
-        output_tokens: generated token ids.
-        device_hit_tokens / host_hit_tokens / storage_hit_tokens: cached prompt tokens by
-            tier (host hits include tokens prefetched from storage into the host pool).
-        recomputed_tokens: prompt tokens computed by the prefill.
-        ttft_s: admission to first token; prefetch_s: admission to take.
-        load_s: the longest L2 -> L1 copy of the prefix (it overlaps the prefill);
-        load_bytes / prefetch_bytes: bytes copied L2 -> L1 / read from L3 for it.
-        error: why the request was refused (nothing else is set then).
-    """
+    max_new_tokens: int
 
-    rid: str
-    output_tokens: list[int] = msgspec.field(default_factory=list)
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0
-    recomputed_tokens: int = 0
-    ttft_s: float = 0.0
-    prefetch_s: float = 0.0
-    load_s: float = 0.0
-    load_bytes: int = 0
-    prefetch_bytes: int = 0
-    error: str | None = None
+
+_OPTIONS = msgspec.msgpack.Decoder(_Options)
 
 
 @dataclass
@@ -101,41 +92,35 @@ class RankRuntime:
         self.model = model
         self._forward = pipe.forward_token if pipe is not None else local_token
         self.busy = False  # whether the last step left work (requests, background copies)
-        # Fault injection (tests, `bench faults`): called with "admit" (new requests agreed,
-        # their prefetches started), "prefill" and "decode" before that work runs.
-        self.on_phase: Callable[[str], None] | None = None
+        # Fault injection (tests, `bench faults`): called with the phase, "admit" (new
+        # requests agreed, their prefetches started), "prefill" or "decode", and the request
+        # id ("" for admit) before that work runs.
+        self.on_phase: Callable[[str, str], None] | None = None
         self.page_size = controller.config.page_size
         self.keep_logits = keep_logits
         self.reuse_prefix = reuse_prefix
         self.first_logits: dict[str, torch.Tensor] = {}
-        self._queue: list[GenerateRequest] = []
+        self._queue: list[object] = []
         self._requests: dict[str, tuple[GenerateRequest, float]] = {}  # admitted, not taken
         self._running: list[_Running] = []
         self._done: list[RequestResult] = []
+        self._starting: tuple[str, CacheHandle] | None = None  # taken, not yet running
 
     # -------------------------------------------------------------- requests
 
-    def submit(self, request: GenerateRequest) -> None:
+    def submit(self, request: object) -> None:
         """Queue a request (rank 0); a bad one is answered with an error at the next step."""
         if self.ctl.consensus.rank != 0:
             raise ValueError("requests are submitted on rank 0")
         self._queue.append(request)
 
-    def _check(self, r: GenerateRequest) -> str | None:
-        vocab = self.model.config.vocab_size
-        if not r.tokens:
-            return "empty prompt"
-        if min(r.tokens) < 0 or max(r.tokens) >= vocab:
-            return f"token ids must lie in [0, {vocab})"
-        if r.max_new_tokens < 0:
-            return f"max_new_tokens={r.max_new_tokens} is negative"
-        total = len(r.tokens) + r.max_new_tokens
-        capacity = self.ctl.cache.device_pool.num_tokens
-        if total > capacity:
-            return f"{total} tokens can never fit the device pool ({capacity} tokens)"
+    def _check(self, request: object) -> GenerateRequest:
+        """The request, checked; raises :class:`RequestError` naming what is wrong."""
+        r = check_request(request)
+        check_limits(r, self.model.config.vocab_size, self.ctl.cache.device_pool.num_tokens)
         if r.rid in self._requests or any(x.request.rid == r.rid for x in self._running):
-            return f"request id {r.rid!r} is already in flight"
-        return None
+            raise RequestError("rid", f"request id {r.rid!r} is already in flight")
+        return r
 
     # ------------------------------------------------------------------ step
 
@@ -144,38 +129,76 @@ class RankRuntime:
         """Requests queued, admitted or running on this rank."""
         return bool(self._queue or self._requests or self._running)
 
+    @property
+    def has_runnable_work(self) -> bool:
+        """Requests to admit or to run now (not only requests waiting on prefetches)."""
+        return bool(self._queue or self._running)
+
     def step(self) -> list[RequestResult]:
         """One scheduler iteration (every rank); returns the requests finished on it."""
         arrivals = []
-        for r in self._queue:
-            error = self._check(r)
-            if error is not None:
-                self._done.append(RequestResult(rid=r.rid, error=error))
-            else:
-                extra = msgspec.msgpack.encode(r.max_new_tokens)
-                arrivals.append(Arrival(r.rid, r.tokens, extra))
+        for queued in self._queue:
+            try:
+                r = self._check(queued)
+            except RequestError as exc:
+                self._done.append(error_result(queued, str(exc)))
+                continue
+            extra = msgspec.msgpack.encode(_Options(r.max_new_tokens))
+            arrivals.append(Arrival(r.rid, r.tokens, extra))
         self._queue.clear()
         agreed = self.ctl.step(arrivals)
         if agreed.arrivals and self.on_phase is not None:
-            self.on_phase("admit")
+            self.on_phase("admit", "")
         now = time.perf_counter()
         for a in agreed.arrivals:
-            max_new = msgspec.msgpack.decode(a.extra, type=int)
-            self._requests[a.rid] = (GenerateRequest(a.rid, a.tokens, max_new), now)
-        for rid in agreed.runnable:
-            self._start(rid)
-        for running in list(self._running):
-            self._decode(running)
+            try:
+                options = _OPTIONS.decode(a.extra)
+            except msgspec.DecodeError as exc:  # the same bytes on every rank: all refuse it
+                self.ctl.cancel(a.rid)
+                self._done.append(RequestResult(rid=a.rid, error=f"request options: {exc}"))
+                continue
+            self._requests[a.rid] = (GenerateRequest(a.rid, a.tokens, options.max_new_tokens), now)
+        for ordinal, rid in enumerate(agreed.runnable):
+            self._guarded(ordinal, rid, self._start)
+        for ordinal, running in enumerate(list(self._running), start=len(agreed.runnable)):
+            self._guarded(ordinal, running.request.rid, self._decode_rid)
         done, self._done = self._done, []
         # A request finished here started host writes the agreement has not seen yet.
         self.busy = agreed.busy or bool(done)
         return done
+
+    def _guarded(self, ordinal: int, rid: str, work: Callable[[str], None]) -> None:
+        """Run one request's work; its own failure fails it alone (see the module docstring)."""
+        try:
+            work(rid)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            log.exception("request %s failed on rank %d", rid, self.ctl.consensus.rank)
+            self._drop(rid)
+            self._done.append(RequestResult(rid=rid, error=f"{type(exc).__name__}: {exc}"))
+            self.ctl.agree_failure(ordinal)
+
+    def _drop(self, rid: str) -> None:
+        """Forget a failed request and release whatever it held."""
+        if rid in self._requests:
+            del self._requests[rid]
+            self.ctl.cancel(rid)
+        for running in self._running:
+            if running.request.rid == rid:
+                self._running.remove(running)
+                self.ctl.release(running.handle)
+                return
+        if self._starting is not None and self._starting[0] == rid:
+            self.ctl.release(self._starting[1])
+        self._starting = None
 
     def _start(self, rid: str) -> None:
         request, admitted = self._requests.pop(rid)
         taken = time.perf_counter()
         max_pages = (len(request.tokens) - 1) // self.page_size if self.reuse_prefix else 0
         handle = self.ctl.take(rid, max_pages=max_pages)
+        self._starting = (rid, handle)  # released by _drop should anything below raise
         cached = handle.num_cached_tokens
         result = RequestResult(
             rid=rid,
@@ -195,11 +218,12 @@ class RankRuntime:
             self.ctl.reserve(handle, len(request.tokens) - cached + request.max_new_tokens)
         except CacheFullError as exc:  # running requests hold the pool: this one fails alone
             self.ctl.release(handle)
+            self._starting = None
             self._done.append(RequestResult(rid=rid, error=str(exc)))
             return
         ids = torch.tensor(request.tokens[cached:])
         if self.on_phase is not None:
-            self.on_phase("prefill")
+            self.on_phase("prefill", rid)
         with self.ctl.computing():
             token, logits = self._forward(
                 self.model,
@@ -218,7 +242,11 @@ class RankRuntime:
         if request.max_new_tokens:
             running.generated.append(token)
         self._running.append(running)
+        self._starting = None
         self._maybe_finish(running)
+
+    def _decode_rid(self, rid: str) -> None:
+        self._decode(next(r for r in self._running if r.request.rid == rid))
 
     def _decode(self, running: _Running) -> None:
         if self._maybe_finish(running):
@@ -226,7 +254,7 @@ class RankRuntime:
         request = running.request
         position = len(request.tokens) + len(running.generated) - 1
         if self.on_phase is not None:
-            self.on_phase("decode")
+            self.on_phase("decode", request.rid)
         token, _ = self._forward(
             self.model,
             torch.tensor(running.generated[-1:]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["UNFULFILLED_REASONS", "CacheStats", "ControllerStats"]
+__all__ = ["UNFULFILLED_REASONS", "CacheStats", "ControllerStats", "RankHealth"]
 
 # Why pages L3 holds were not prefetched (see the README).
 UNFULFILLED_REASONS = (
@@ -76,3 +76,25 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     host_pages_prefetching: int = 0
     running_prefetches: int = 0
     pending_backups: int = 0
+
+
+class RankHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one rank stands (what ``RankActor.health`` returns).
+
+    Attributes:
+        rank: the rank; generation: the deployment generation it belongs to.
+        stepping: its step thread runs.
+        steps: steps it has made.
+        error: why it stopped stepping (or why it is not there), else None.
+        in_step: the thread is inside a step (possibly waiting in a collective).
+        outside_step_s: seconds since its last step ended (None while in a step): a
+            stalled rank's grows past the consensus timeout.
+    """
+
+    rank: int
+    generation: int = 0
+    stepping: bool = False
+    steps: int = 0
+    error: str | None = None
+    in_step: bool = False
+    outside_step_s: float | None = None

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import torch
 
 from hicache_ray.config import (
     CacheConfig,
@@ -99,7 +100,7 @@ def test_config_round_trips_through_msgpack() -> None:
 def test_shard_facts() -> None:
     kv = make_kv(num_layers=7, num_kv_heads=8, tp_rank=1, tp_size=4, pp_rank=1, pp_size=3)
     assert kv.local_heads == 2 and kv.first_head == 2
-    assert kv.layer_range == (3, 5)  # 7 layers over 3 stages: 3, 2, 2
+    assert kv.layer_range == (2, 4)  # 7 layers over 3 stages: 2, 2, 3 (SGLang's split)
     assert kv.shard.rank == 5 and kv.shard.world_size == 12
     mla = make_kv(kv_lora_rank=16, tp_size=2, tp_rank=1)
     assert mla.kv_slots == 1 and mla.local_heads == 1 and mla.slot_dim == 16
@@ -182,3 +183,76 @@ def test_bad_deployment_configs(kwargs: dict[str, object], needle: str) -> None:
     spec = pytest.importorskip("actors.spec")
     with pytest.raises(ConfigError, match=needle):
         spec.DeploymentConfig(**kwargs)
+
+
+# Every invalid setting the deployment-edge review found: (factory, kwargs, field named).
+def _deployment(**kwargs: object) -> object:
+    spec = pytest.importorskip("actors.spec")
+    return spec.DeploymentConfig(**kwargs)
+
+
+def _storage_deployment(**storage: object) -> object:
+    from hicache_ray.model import ModelConfig
+
+    model = ModelConfig(num_heads=4, num_kv_heads=4)
+    cache = CacheConfig(storage=StorageConfig(backend="memory", model_id="m", **storage))
+    return _deployment(model=model, tp_size=2, cache=cache)
+
+
+EDGE_CASES = [
+    (_deployment, {"collective_timeout_s": -1.0}, "collective_timeout_s"),
+    (_deployment, {"placement_timeout_s": -1.0}, "placement_timeout_s"),
+    (_deployment, {"consensus_timeout_s": -1.0}, "consensus_timeout_s"),
+    (_deployment, {"consensus_timeout_s": float("nan")}, "consensus_timeout_s"),
+    (_deployment, {"cpus_per_rank": -1.0}, "cpus_per_rank"),
+    (_deployment, {"cpus_per_rank": 0.0}, "cpus_per_rank"),
+    (_deployment, {"gpus_per_rank": -1}, "gpus_per_rank"),
+    (_deployment, {"host_budget_bytes": -1}, "host_budget_bytes"),
+    (_deployment, {"bundle_resources": {"CPU": -1.0}}, "bundle_resources"),
+    (_deployment, {"bundle_resources": {"pool": -1.0}}, "bundle_resources['pool']"),
+    (_deployment, {"tp_size": 2.0}, "tp_size"),
+    (_deployment, {"max_retries": 1.5}, "max_retries"),
+    (_deployment, {"name": None}, "name"),
+    (_deployment, {"reuse_prefix": 1}, "reuse_prefix"),
+    (_storage_deployment, {"share_tp": (3,)}, "share_tp"),
+    (_storage_deployment, {"share_tp": (2, 3)}, "share_tp"),
+    (MemoryConfig, {"device_tokens": 1000.5}, "device_tokens"),
+    (MemoryConfig, {"page_size": "16"}, "page_size"),
+    (MemoryConfig, {"page_size": 16.0}, "page_size"),
+    (MemoryConfig, {"page_size": None}, "page_size"),
+    (MemoryConfig, {"hicache_ratio": float("inf")}, "hicache_ratio"),
+    (MemoryConfig, {"hicache_ratio": float("nan")}, "hicache_ratio"),
+    (StorageConfig, {"backend": "foo", "model_id": "m"}, "storage_backend"),
+    (StorageConfig, {"backend": None}, "backend"),
+    (StorageConfig, {"share_pp": (0,)}, "share_pp"),
+    (PrefetchConfig, {"timeout_base_s": float("nan")}, "timeout_base_s"),
+    (WriteConfig, {"policy": None}, "write_policy"),
+]
+
+
+@pytest.mark.parametrize(("factory", "kwargs", "field"), EDGE_CASES)
+def test_every_invalid_setting_is_a_config_error(factory, kwargs, field) -> None:
+    with pytest.raises(ConfigError) as info:
+        factory(**kwargs)
+    assert info.value.field == field, str(info.value)
+    assert ";" in str(info.value)  # problem; fix
+
+
+def test_pools_of_a_cpu_device_must_fit_the_host_budget_together() -> None:
+    # the README's first example: 32 layers x 8 KV heads x 128 fp16, 65,536 device tokens
+    from hicache_ray.cache import HiCache
+
+    kv = ShardKV(
+        model=ModelKV(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
+        shard=Shard(),
+        page_size=64,
+    )
+    config = CacheConfig(memory=MemoryConfig(device_tokens=65536))
+    with pytest.raises(ConfigError) as info:
+        HiCache(config, kv, device=torch.device("cpu"), host_budget_bytes=20 << 30)
+    message = str(info.value)
+    assert "device pool 8589934592 bytes" in message and "host pool 17179869184 bytes" in message
+    assert "budget of 21474836480 bytes" in message
+    # a GPU device keeps its pool in device memory: the host pool alone fits, or is capped
+    assert host_pool_pages(config, kv, 20 << 30) == 2048
+    assert host_pool_pages(config, kv, 12 << 30) == (12 << 30) // kv.page_bytes

@@ -128,6 +128,13 @@ def test_reuse_from_every_tier_is_exact(tier: str, policy: str) -> None:
     rt.ctl.close()
 
 
+def _until(rt: RankRuntime, rids: set[str]) -> dict[str, RequestResult]:
+    results: dict[str, RequestResult] = {}
+    while not rids <= set(results):
+        results.update({r.rid: r for r in rt.step()})
+    return results
+
+
 def test_bad_requests_are_refused_alone() -> None:
     rt = runtime(None)
     good = GenerateRequest("ok", prompt(3, 10), 2)
@@ -136,15 +143,57 @@ def test_bad_requests_are_refused_alone() -> None:
         GenerateRequest("vocab", [MODEL.vocab_size], 2),
         GenerateRequest("negative", [1, 2], -1),
         GenerateRequest("huge", [1] * 300, 2),
+        GenerateRequest("float", [1.0, 2.0], 2),  # type: ignore[list-item]
+        GenerateRequest("str-max", [1, 2], "4"),  # type: ignore[arg-type]
     ):
         rt.submit(bad)
     rt.submit(good)
-    results: dict[str, RequestResult] = {}
-    while len(results) < 5:
-        results.update({r.rid: r for r in rt.step()})
+    results = _until(rt, {"ok", "empty", "vocab", "negative", "huge", "float", "str-max"})
     assert results["ok"].error is None and len(results["ok"].output_tokens) == 2
-    for rid in ("empty", "vocab", "negative", "huge"):
+    for rid in ("empty", "vocab", "negative", "huge", "float", "str-max"):
         assert results[rid].error, rid
+    assert results["float"].error.startswith("tokens: element 0 is float")
+    assert results["str-max"].error.startswith("max_new_tokens:")
+    rt.ctl.close()
+
+
+def test_bad_requests_between_good_ones_leave_them_exact() -> None:
+    from tests.test_request import BAD
+
+    tokens_a, tokens_b = prompt(31, 13), prompt(32, 9)
+    expected_a, expected_b = reference(tokens_a)[1][:3], reference(tokens_b)[1][:3]
+    rt = runtime(MemoryObjects())
+    for i, (bad, _) in enumerate(BAD):
+        rt.submit(GenerateRequest(f"a{i}", tokens_a, 3))
+        rt.submit(bad)
+        rt.submit(GenerateRequest(f"b{i}", tokens_b, 3))
+        results = _until(rt, {f"a{i}", f"b{i}"})
+        assert results[f"a{i}"].output_tokens == expected_a, bad
+        assert results[f"b{i}"].output_tokens == expected_b, bad
+        errors = [r for r in results.values() if r.rid not in (f"a{i}", f"b{i}")]
+        assert len(errors) == 1 and errors[0].error, bad
+    drain(rt)
+    rt.ctl.check_integrity()
+    rt.ctl.close()
+
+
+def test_a_request_that_raises_fails_alone() -> None:
+    rt = runtime(MemoryObjects())
+
+    def poison(phase: str, rid: str) -> None:
+        if rid == "poison" and phase == "decode":
+            raise ValueError("broken request")
+
+    rt.on_phase = poison
+    tokens = prompt(41, 11)
+    rt.submit(GenerateRequest("poison", prompt(40, 9), 4))
+    rt.submit(GenerateRequest("fine", tokens, 4))
+    results = _until(rt, {"poison", "fine"})
+    assert results["poison"].error == "ValueError: broken request"
+    assert results["fine"].output_tokens == reference(tokens)[1][:4]
+    drain(rt)
+    rt.ctl.check_integrity()  # the failed request's pages were released
+    assert rt.ctl.cache.device_pool.allocator.num_used_pages == rt.ctl.cache.tree.num_device_pages
     rt.ctl.close()
 
 

@@ -59,11 +59,11 @@ class ConsensusOptions:
         return cls(steps_per_block=50, blocks=5, fetch_pages=8, fetch_layers=2, fetch_repeats=2)
 
 
-def _config(page_size: int, device_pages: int, head_group: int = 0) -> CacheConfig:
+def _config(page_size: int, device_pages: int, share_tp: tuple[int, ...] = ()) -> CacheConfig:
     return CacheConfig(
         memory=MemoryConfig(page_size=page_size, device_tokens=device_pages * page_size),
         prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0),
-        storage=StorageConfig(backend="memory", model_id="bench/model", head_group=head_group),
+        storage=StorageConfig(backend="memory", model_id="bench/model", share_tp=share_tp),
     )
 
 
@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, ports: Any, out: Any, opts: ConsensusOptions) -
         port = ports.get(timeout=opts.timeout_s)
         consensus = GlooConsensus(rank, world, "127.0.0.1", port, timeout_s=opts.timeout_s)
     kv = fp16_kv(2, world, 8, 16, Shard(tp_rank=rank, tp_size=world))
-    ctl = _controller(kv, _config(16, 64, head_group=1), MemoryObjects(), consensus)
+    ctl = _controller(kv, _config(16, 64, share_tp=(world,)), MemoryObjects(), consensus)
     arrivals = [Arrival(f"r{i}", list(range(i, i + 64))) for i in range(opts.running_requests)]
     ctl.step(arrivals if rank == 0 else [])
     ctl.settle(timeout=opts.timeout_s)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from hicache_ray.errors import HiCacheError
+from hicache_ray.errors import CollectiveError
 
 __all__ = [
     "Consensus",
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-class ConsensusError(HiCacheError, RuntimeError):
+class ConsensusError(CollectiveError):
     """A collective of the consensus group failed (timeout, dead peer): the group is broken
     and the deployment must be re-formed."""
 

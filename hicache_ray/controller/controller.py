@@ -30,7 +30,7 @@ from hicache_ray.cache import CacheHandle, HiCache
 from hicache_ray.config import CacheConfig
 from hicache_ray.controller.acks import Acknowledger
 from hicache_ray.controller.backup import BackupPipeline
-from hicache_ray.controller.consensus import Consensus, LocalConsensus
+from hicache_ray.controller.consensus import Consensus, ConsensusError, LocalConsensus
 from hicache_ray.controller.prefetch import PrefetchPipeline
 from hicache_ray.controller.protocol import Arrival, Header, decode_arrivals, encode_arrivals
 from hicache_ray.controller.requests import RequestState
@@ -168,6 +168,22 @@ class CacheController:
             self.requests.admit(arrival)
         self._busy_agreed = header.busy or bool(self.requests)
         return StepResult(self._step, new, self.requests.runnable(), self._busy_agreed)
+
+    def agree_failure(self, ordinal: int) -> None:
+        """Every rank calls this when the request at position ``ordinal`` of this step's
+        work raised: a MIN all-reduce checks that every rank failed the same request (the
+        failure was the request's own, not this rank's). A rank that did not fail never
+        calls it, so the others time out here and the deployment re-forms.
+
+        Raises:
+            ConsensusError: the ranks failed different requests, or a peer did not join.
+        """
+        agreed = self.consensus.all_reduce_min([ordinal, -ordinal], self._step)
+        if agreed != [ordinal, -ordinal]:
+            raise ConsensusError(
+                f"step {self._step}: ranks failed different requests ({agreed[0]}..{-agreed[1]} "
+                f"vs {ordinal} here); the group must be re-formed"
+            )
 
     def note_failure(self) -> None:
         """Record a local failure; the next step tells every rank one happened."""

@@ -1,143 +1,181 @@
-"""The KV cache namespace: everything that must match for two ranks to share a page.
+"""The L3 key namespace (SGLang's unified scheme) and the sharing grid it is built on.
 
-A page key carries a short digest of the namespace, so deployments that differ in any of
-these facts (model, revision, dtype, page size, head grouping, layer granule, object
-layout, tenant) never read each other's bytes; a rank that finds a foreign digest in a
-page header treats the page as a miss.
+Everything that must match for two ranks' KV bytes to be interchangeable is a field of
+:class:`KVCacheNamespace`, which mirrors ``sglang.srt.mem_cache.hicache_key_scheme``
+(0.5.23) field for field: the same facts give the same digest and so the same key names,
+whether a page was stored by a hicache-ray deployment or by SGLang through our storage
+backend. A rank that finds a foreign digest in a page header treats the page as a miss.
+
+The grid is a fleet agreement (design.md section 6): the KV heads per object
+(``head_group``) follow from the TP sizes that share the store, the layers per object
+(``layer_partition``) from the PP splits. :func:`sharing_grid` derives both from
+``StorageConfig.share_tp`` / ``share_pp`` and refuses declarations the model cannot tile.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
+from functools import reduce
 
 import msgspec
 
 from hicache_ray.config import StorageConfig
 from hicache_ray.errors import ConfigError
-from hicache_ray.layout import ShardKV
+from hicache_ray.layout import ModelKV, stage_layers
 
-__all__ = ["NAMESPACE_SCHEMA_VERSION", "OBJECT_LAYOUT", "KVCacheNamespace", "make_namespace"]
-
-log = logging.getLogger(__name__)
+__all__ = [
+    "NAMESPACE_SCHEMA_VERSION",
+    "OBJECT_LAYOUT",
+    "Grid",
+    "KVCacheNamespace",
+    "describe_sharing",
+    "make_namespace",
+    "sharing_grid",
+]
 
 NAMESPACE_SCHEMA_VERSION = 1
-# Bytes of one object: [layers, slots (K, V | latent), tokens of the page, heads, dim].
-OBJECT_LAYOUT = "LSPHD"
+# The byte order of a stored object: per layer, K then V, then tokens, heads, head dim.
+# SGLang's name for it (``pool_host/page_unified.py``); our pools' object views
+# ``[L, S, P, H, D]`` are exactly this order.
+OBJECT_LAYOUT = "page-unified-v1"
 
 
-class KVCacheNamespace(msgspec.Struct, frozen=True, kw_only=True):
-    """Frozen identity of a shared page space; its msgpack encoding is hashed into keys.
+class KVCacheNamespace(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Frozen identity of one shared L3 keyspace (SGLang's struct: same fields, same order).
+
+    Field names and order are part of the msgpack encoding that the digest hashes: do not
+    reorder or rename them.
 
     Attributes:
         schema_version: bumped when the meaning of any field changes.
-        model_id, revision: which weights produced the KV.
-        dtype: logical dtype of the stored KV.
+        model_id: which weights produced the KV (``{model}@{revision}`` when a revision
+            is set, see :attr:`StorageConfig.namespace_model_id`).
+        dtype: logical dtype of the stored KV (``float16``, ``bfloat16``, ...).
         page_size: tokens per page.
         rank_replicated: every TP rank holds the same KV (MLA); one copy is stored.
-        num_kv_heads: total KV heads of the model (1 for MLA).
-        head_group_size: KV heads per object.
-        layer_granule: layers per object (the last object of the model may hold fewer).
+        total_kv_heads: KV heads of the whole model (0 for MLA).
+        layer_partition: layers per object; 0 means each stage's own layer range.
+        head_group: KV heads per object (0 for MLA).
         object_layout: byte order inside an object.
-        tenant_salt: the tenant whose prompts seeded the page hashes.
     """
 
     schema_version: int = NAMESPACE_SCHEMA_VERSION
     model_id: str
-    revision: str
     dtype: str
     page_size: int
     rank_replicated: bool
-    num_kv_heads: int
-    head_group_size: int
-    layer_granule: int
-    object_layout: str = OBJECT_LAYOUT
-    tenant_salt: str = ""
+    total_kv_heads: int
+    layer_partition: int = 0
+    head_group: int
+    object_layout: str
 
     @property
     def digest(self) -> str:
-        """16 hex characters of SHA-256 over the msgpack encoding (stable across processes)."""
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+        """``ukv1-`` + 16 hex of SHA-256 over the msgpack encoding (stable everywhere)."""
+        encoded = msgspec.msgpack.encode(self)
+        return f"ukv{NAMESPACE_SCHEMA_VERSION}-{hashlib.sha256(encoded).hexdigest()[:16]}"
 
 
-def stage_boundaries(kv: ShardKV) -> list[int]:
-    """First layer of every PP stage, then the number of layers."""
-    n, p = kv.model.num_layers, kv.shard.pp_size
-    base, extra = divmod(n, p)
-    return [r * base + min(r, extra) for r in range(p)] + [n]
+class Grid(msgspec.Struct, frozen=True, kw_only=True):
+    """The sharing grid: KV heads per object and layers per object (0: per stage)."""
+
+    head_group: int
+    layer_partition: int
 
 
-def resolve_layer_granule(kv: ShardKV, layer_granule: int) -> int:
-    """``layer_granule`` or, when 0, the largest granule every PP stage boundary sits on."""
-    if layer_granule:
-        return layer_granule
-    return math.gcd(*stage_boundaries(kv))
+def _stage_starts(num_layers: int, pp_size: int) -> list[int]:
+    return [stage_layers(num_layers, pp_size, r)[0] for r in range(pp_size)]
 
 
-def _head_group_size(kv: ShardKV, storage: StorageConfig) -> int:
-    model, tp = kv.model, kv.shard.tp_size
-    if model.is_mla:
-        return 1
-    total = model.num_kv_heads
-    if storage.head_group:
-        if total % storage.head_group:
-            raise ConfigError(
-                "head_group",
-                storage.head_group,
-                f"does not divide num_kv_heads={total}",
-                f"use a divisor of {total}",
-            )
-        return storage.head_group
-    if kv.local_heads == 1 and tp > 1:
-        raise ConfigError(
-            "head_group",
-            0,
-            f"each of the {tp} TP ranks holds one KV head, so whether larger TP sizes would "
-            "replicate or split it is ambiguous",
-            "set head_group explicitly (1 to store each head on its own)",
-        )
-    if storage.tp_lcm_size:
-        lcm = storage.tp_lcm_size
-        if lcm % tp:
-            raise ConfigError(
-                "tp_lcm_size",
-                lcm,
-                f"not a multiple of this tp_size={tp}",
-                "use lcm of all TP sizes",
-            )
-        if total % lcm:
-            raise ConfigError(
-                "tp_lcm_size",
-                lcm,
-                f"does not divide num_kv_heads={total}",
-                "set head_group explicitly to a divisor of the KV heads",
-            )
-        return total // lcm
-    log.info(
-        "L3 namespace shares pages only with TP=%d deployments; set tp_lcm_size (or head_group) "
-        "to share them across TP sizes",
-        tp,
-    )
-    return kv.local_heads
-
-
-def make_namespace(kv: ShardKV, storage: StorageConfig, layer_granule: int = 0) -> KVCacheNamespace:
-    """The namespace of ``kv``'s model under ``storage``'s key settings.
+def sharing_grid(model: ModelKV, tp_size: int, pp_size: int, storage: StorageConfig) -> Grid:
+    """The grid a ``tp_size`` x ``pp_size`` deployment of ``model`` stores its pages on.
 
     Raises:
-        ConfigError: ``head_group`` or ``tp_lcm_size`` do not fit the model's KV heads, or
-            one KV head per rank leaves the split ambiguous.
+        ConfigError: the declaration leaves out this deployment's own sizes, or the model
+            cannot be cut into the grid it implies (the message says what to change).
     """
-    model = kv.model
+    if model.is_mla:
+        head_group = 0
+    elif storage.share_tp:
+        if tp_size not in storage.share_tp:
+            raise ConfigError(
+                "share_tp",
+                storage.share_tp,
+                f"leaves out this deployment's tp_size={tp_size}",
+                f"add {tp_size} to share_tp",
+            )
+        lcm = reduce(math.lcm, storage.share_tp)
+        if model.num_kv_heads % lcm:
+            raise ConfigError(
+                "share_tp",
+                storage.share_tp,
+                f"needs the model's KV heads cut into {lcm} equal groups, but it has "
+                f"{model.num_kv_heads}",
+                "share only with TP sizes whose least common multiple divides the KV heads",
+            )
+        head_group = model.num_kv_heads // lcm
+    else:
+        if model.num_kv_heads % tp_size:
+            raise ConfigError(
+                "tp_size",
+                tp_size,
+                f"does not divide num_kv_heads={model.num_kv_heads}",
+                "use a TP size that divides the KV heads",
+            )
+        head_group = model.num_kv_heads // tp_size
+    if not storage.share_pp:
+        return Grid(head_group=head_group, layer_partition=0)
+    if pp_size not in storage.share_pp:
+        raise ConfigError(
+            "share_pp",
+            storage.share_pp,
+            f"leaves out this deployment's pp_size={pp_size}",
+            f"add {pp_size} to share_pp",
+        )
+    too_many = [p for p in storage.share_pp if p > model.num_layers]
+    if too_many:
+        raise ConfigError(
+            "share_pp",
+            storage.share_pp,
+            f"PP sizes {too_many} exceed the model's {model.num_layers} layers",
+            "share only with PP sizes of at most one stage per layer",
+        )
+    starts = [s for p in storage.share_pp for s in _stage_starts(model.num_layers, p) if s]
+    # Every stage of every split starts on the grid; only the model's last chunk may be short.
+    partition = reduce(math.gcd, starts) if starts else 0
+    return Grid(head_group=head_group, layer_partition=partition)
+
+
+def describe_sharing(model: ModelKV, tp_size: int, pp_size: int, storage: StorageConfig) -> str:
+    """One line for the launch log: who this deployment's L3 pages are shared with."""
+    grid = sharing_grid(model, tp_size, pp_size, storage)
+    tps = storage.share_tp or (tp_size,)
+    pps = storage.share_pp or (pp_size,)
+    text = (
+        f"L3 pages are shared with deployments of TP in {sorted(tps)} and PP in {sorted(pps)} "
+        f"(head_group={grid.head_group}, layer_partition={grid.layer_partition})"
+    )
+    if not storage.share_tp or not storage.share_pp:
+        text += "; set StorageConfig.share_tp / share_pp to share with other sizes"
+    return text
+
+
+def make_namespace(
+    model: ModelKV, grid: Grid, page_size: int, storage: StorageConfig
+) -> KVCacheNamespace:
+    """The namespace of ``model``'s pages on ``grid`` under ``storage``'s model identity."""
+    if not storage.model_id:
+        raise ConfigError(
+            "model_id", "", "empty", "name the model so pages of different models never mix"
+        )
     return KVCacheNamespace(
-        model_id=storage.model_id,
-        revision=storage.model_revision,
+        model_id=storage.namespace_model_id,
         dtype=model.dtype,
-        page_size=kv.page_size,
+        page_size=page_size,
         rank_replicated=model.is_mla,
-        num_kv_heads=1 if model.is_mla else model.num_kv_heads,
-        head_group_size=_head_group_size(kv, storage),
-        layer_granule=resolve_layer_granule(kv, layer_granule),
-        tenant_salt=storage.tenant_salt,
+        total_kv_heads=0 if model.is_mla else model.num_kv_heads,
+        layer_partition=grid.layer_partition,
+        head_group=grid.head_group,
+        object_layout=OBJECT_LAYOUT,
     )

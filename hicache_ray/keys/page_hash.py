@@ -6,10 +6,13 @@ pages are addressed the way the reference system addresses them (the test vector
 design.md hold).
 
 NOTE: the chain's seed is the only input besides the tokens. With no tenant salt there is
-no seed (SGLang compatibility); with one, page 0 also hashes a digest of the salt, so two
-tenants' keys are disjoint. Model identity is deliberately *not* in the seed: it lives in
-the key's namespace digest, which is what lets a rank reject a foreign page by its header.
-Nothing here depends on ``PYTHONHASHSEED``, the process or the host.
+no seed; with one, page 0 also hashes the 32-byte seed
+``SHA-256(b"sglang-cache-namespace-v1" + b"\x00" + b"\x01" + len(salt) as 8 bytes LE +
+salt)``, which is SGLang's ``storage_namespace_seed(extra_key=None, cache_salt=salt)``: a
+tenant salt here is SGLang's ``cache_salt``, and both engines name the same pages alike.
+Two tenants' keys are disjoint. Model identity is deliberately *not* in the seed: it lives
+in the key's namespace digest, which is what lets a rank reject a foreign page by its
+header. Nothing here depends on ``PYTHONHASHSEED``, the process or the host.
 
 Only whole pages are hashed: a partial last page is never stored.
 """
@@ -22,15 +25,18 @@ from hicache_ray.tree.tokens import TOKEN_BYTES, TokenIds, encode_tokens
 
 __all__ = ["page_hashes", "salt_seed"]
 
-_SALT_DOMAIN = b"hicache-ray/tenant-salt/v1\x00"
+_SEED_DOMAIN = b"sglang-cache-namespace-v1"
 
 
 def salt_seed(salt: str | bytes | None) -> bytes:
-    """The 32-byte chain seed of a tenant salt; empty for no salt."""
+    """The 32-byte chain seed of a tenant salt (see the module docstring); empty for none."""
     if not salt:
         return b""
     raw = salt.encode() if isinstance(salt, str) else salt
-    return hashlib.sha256(_SALT_DOMAIN + raw).digest()
+    h = hashlib.sha256(_SEED_DOMAIN)
+    h.update(b"\x00")  # no extra_key
+    h.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
+    return h.digest()
 
 
 def page_hashes(

@@ -1,39 +1,67 @@
-"""Which storage objects one rank owns per page, under each key scheme.
+"""Which storage objects one rank owns per page, under each key scheme, and the key grammar.
 
-Unified keys (``{page_hash}_{digest}_L{first}-{last}[_H{group}]``) name *what* an object
-holds, in the coordinates of the whole model: a layer range on the namespace's layer grid
-and a head group on its head grid. A rank owns the objects its shard covers::
+Unified keys (``{page_hash}_{digest}_L{first}-{end}[_H{group}]``, SGLang's scheme) name
+*what* an object holds, in the coordinates of the whole model: a half-open layer range on
+the namespace's layer grid and a head group on its head grid. A rank owns the objects its
+shard covers::
 
-    layers  0..31, granule 16, heads 0..7, head_group_size 2 (tp_lcm_size 4)
+    layers 0..31, layer_partition 16, heads 0..7, head_group 2 (share_tp (2, 4))
 
                 H0 (0-1)  H1 (2-3)  H2 (4-5)  H3 (6-7)
-    L0-15       TP4 r0    TP4 r1    TP4 r2    TP4 r3       TP2 r0 = H0+H1, r1 = H2+H3
-    L16-31      TP4 r0    TP4 r1    TP4 r2    TP4 r3       PP2 stage 1 = the L16-31 row
+    L0-16       TP4 r0    TP4 r1    TP4 r2    TP4 r3       TP2 r0 = H0+H1, r1 = H2+H3
+    L16-32      TP4 r0    TP4 r1    TP4 r2    TP4 r3       PP2 stage 1 = the L16-32 row
 
 so a TP=2 rank's objects are exactly the union of two TP=4 ranks', and a PP=1 rank's the
 union of the stages'. A shard that does not tile the grid is refused: storing it would give
-other deployments wrong KV, not a miss.
+other deployments wrong KV, not a miss. Rank-replicated (MLA) KV has no head axis and one
+object per layer chunk, written by TP rank 0 only.
 
 Rank-suffix keys (``{page_hash}_{model}_{tp_rank}_{tp_size}[_{pp_size}_{pp_rank}]``) name
 the rank instead: one object per page with all of the rank's KV, shared by nobody else.
-Rank-replicated (MLA) KV has one key per page (and PP stage), written by TP rank 0 only.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
-from hicache_ray.config import CacheConfig, KeyScheme
+from hicache_ray.config import CacheConfig, KeyScheme, StorageConfig
 from hicache_ray.errors import ConfigError
-from hicache_ray.keys.namespace import KVCacheNamespace, make_namespace
+from hicache_ray.keys.namespace import Grid, KVCacheNamespace, make_namespace, sharing_grid
 from hicache_ray.layout import ShardKV
 
-__all__ = ["KEY_SCHEMES", "PAGE_HASH_CHARS", "ObjectSpec", "ShardPlan", "plan_shard"]
+__all__ = [
+    "KEY_SCHEMES",
+    "MAX_KEY_CHARS",
+    "PAGE_HASH_CHARS",
+    "ObjectSpec",
+    "ShardPlan",
+    "check_keys",
+    "layer_chunks",
+    "plan_objects",
+    "plan_shard",
+]
 
 PAGE_HASH_CHARS = 64  # hex SHA-256
+MAX_KEY_CHARS = 255  # a file name on every filesystem we write to
+# A page hash, then ``_``-separated parts of letters, digits, ``.``, ``-``: no path
+# separator, no ``..`` component, nothing a filesystem or shell reads specially.
+_KEY = re.compile(r"[0-9a-f]{64}(?:_[A-Za-z0-9][A-Za-z0-9.-]*)+")
+
+
+def check_keys(keys: Iterable[object]) -> None:
+    """Raise ``ValueError`` naming the first key that is not a ``str`` of the key grammar
+    (a page hash, then ``_``-separated parts of ``[A-Za-z0-9.-]``, at most 255 characters)."""
+    for key in keys:
+        if type(key) is not str:
+            raise ValueError(f"storage keys are str, got {type(key).__name__}: {key!r:.80}")
+        if len(key) > MAX_KEY_CHARS or _KEY.fullmatch(key) is None:
+            raise ValueError(
+                f"storage key {key!r:.120} is not of the key grammar "
+                "(64 hex page hash, then _-separated [A-Za-z0-9.-] parts, <= 255 chars)"
+            )
 
 
 class ObjectSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +117,14 @@ class ShardPlan(msgspec.Struct, frozen=True, kw_only=True):
         """Keys of this rank's objects of the page named ``page_hash``."""
         return [f"{page_hash}_{obj.suffix}" for obj in self.objects]
 
+    def spec_of(self, key: str) -> ObjectSpec | None:
+        """The object ``key`` names in this plan, or None when it is not one of this rank's."""
+        suffix = key[PAGE_HASH_CHARS + 1 :]
+        for obj in self.objects:
+            if obj.suffix == suffix:
+                return obj
+        return None
+
 
 def _spec(
     kv: ShardKV, suffix: str, layers: tuple[int, int], heads: tuple[int, int], group: int | None
@@ -110,8 +146,30 @@ def _spec(
     )
 
 
+def layer_chunks(kv: ShardKV, layer_partition: int) -> list[tuple[int, int]]:
+    """[first, end) global layers of each object row of this rank's stage.
+
+    Raises:
+        ConfigError: the stage does not start on the grid, or ends off it before the
+            model's last layer.
+    """
+    lo, hi = kv.layer_range
+    n, part = kv.model.num_layers, layer_partition
+    if not part:
+        return [(lo, hi)]
+    if lo % part or (hi % part and hi != n):
+        raise ConfigError(
+            "share_pp",
+            part,
+            f"PP stage {kv.shard.pp_rank} holds layers {lo}..{hi - 1}, which do not start "
+            f"and end on the {part}-layer grid",
+            "declare every PP size that shares the store in share_pp (its own included)",
+        )
+    return [(a, min(a + part, hi)) for a in range(lo, hi, part)]
+
+
 def _plan_unified(kv: ShardKV, ns: KVCacheNamespace) -> tuple[str, list[ObjectSpec]]:
-    shard, n = kv.shard, kv.model.num_layers
+    shard = kv.shard
     if shard.attn_cp_size > 1:
         raise ConfigError(
             "key_scheme",
@@ -120,42 +178,30 @@ def _plan_unified(kv: ShardKV, ns: KVCacheNamespace) -> tuple[str, list[ObjectSp
             "tokens, which unified keys cannot name",
             "use key_scheme='rank-suffix'",
         )
-    lo, hi = kv.layer_range
-    g = ns.layer_granule
-    if lo % g or (hi % g and hi != n):
-        raise ConfigError(
-            "layer_granule",
-            g,
-            f"PP stage {shard.pp_rank} holds layers {lo}..{hi - 1}, which do not start and end "
-            f"on the {g}-layer grid",
-            "set layer_granule to a divisor of every stage boundary",
-        )
     digest = ns.digest
-    layer_ranges = [(a, min(a + g, n)) for a in range(lo, hi, g)]
+    chunks = layer_chunks(kv, ns.layer_partition)
     if kv.model.is_mla:
-        specs = [_spec(kv, f"{digest}_L{a}-{b - 1}", (a, b), (0, 1), None) for a, b in layer_ranges]
+        specs = [_spec(kv, f"{digest}_L{a}-{b}", (a, b), (0, 1), None) for a, b in chunks]
         return digest, specs
-    size, local = ns.head_group_size, kv.local_heads
+    size, local = ns.head_group, kv.local_heads
     if local % size or kv.first_head % size:
         raise ConfigError(
-            "head_group",
+            "share_tp",
             size,
             f"TP rank {shard.tp_rank} of {shard.tp_size} holds heads {kv.first_head}.."
-            f"{kv.first_head + local - 1}, which do not tile groups of {size}",
-            "set head_group (or tp_lcm_size) so every TP size that shares divides it evenly",
+            f"{kv.first_head + local - 1}, which do not tile groups of {size} heads",
+            "declare every TP size that shares the store in share_tp (its own included)",
         )
-    whole = size == ns.num_kv_heads
     specs = []
-    for a, b in layer_ranges:
+    for a, b in chunks:  # layer-major, head-minor: SGLang's order
         for h in range(0, local, size):
             group = (kv.first_head + h) // size
-            suffix = f"{digest}_L{a}-{b - 1}" + ("" if whole else f"_H{group}")
-            specs.append(_spec(kv, suffix, (a, b), (h, h + size), None if whole else group))
+            specs.append(_spec(kv, f"{digest}_L{a}-{b}_H{group}", (a, b), (h, h + size), group))
     return digest, specs
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.-]", "-", name) or "model"
+    return re.sub(r"[^A-Za-z0-9.-]", "-", name).lstrip(".-") or "model"
 
 
 def _plan_rank_suffix(kv: ShardKV, ns: KVCacheNamespace) -> tuple[str, list[ObjectSpec]]:
@@ -176,14 +222,21 @@ KEY_SCHEMES: dict[str, Callable[[ShardKV, KVCacheNamespace], tuple[str, list[Obj
 }
 
 
-def plan_shard(kv: ShardKV, config: CacheConfig) -> ShardPlan:
-    """This rank's storage objects per page; call once at start-up.
+def plan_objects(kv: ShardKV, storage: StorageConfig, grid: Grid | None = None) -> ShardPlan:
+    """This rank's storage objects per page on ``grid`` (default: the grid ``storage``'s
+    sharing declaration gives this deployment's shape).
 
     Raises:
         ConfigError: the shard does not tile the namespace grid, or the key settings do not
             fit the model (the message says what to set).
     """
-    storage = config.storage
-    ns = make_namespace(kv, storage, config.memory.layer_granule)
+    if grid is None:
+        grid = sharing_grid(kv.model, kv.shard.tp_size, kv.shard.pp_size, storage)
+    ns = make_namespace(kv.model, grid, kv.page_size, storage)
     tag, specs = KEY_SCHEMES[storage.key_scheme](kv, ns)
     return ShardPlan(scheme=storage.key_scheme, namespace=ns, tag=tag, objects=tuple(specs))
+
+
+def plan_shard(kv: ShardKV, config: CacheConfig) -> ShardPlan:
+    """This rank's storage objects per page under ``config``; call once at start-up."""
+    return plan_objects(kv, config.storage)

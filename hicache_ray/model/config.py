@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from hicache_ray.checks import check_positive, check_types
 from hicache_ray.errors import ConfigError
 from hicache_ray.layout import DTypeName, ModelKV
 
@@ -40,6 +41,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_types(self)
         for field in (
             "vocab_size",
             "hidden_size",
@@ -49,8 +51,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             "head_dim",
             "intermediate_size",
         ):
-            if getattr(self, field) <= 0:
-                raise ConfigError(field, getattr(self, field), "must be positive", "fix it")
+            check_positive(field, getattr(self, field))
+        check_positive("rope_theta", self.rope_theta)
+        check_positive("rms_eps", self.rms_eps)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 "num_heads",

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hicache_ray.errors import CollectiveError
 from hicache_ray.layout import DTYPES
 from hicache_ray.memory.device_pool import DevicePool
 from hicache_ray.model.transformer import ReferenceModel
@@ -60,17 +61,24 @@ class StagePipe:
         if self.pp_rank > 0:
             dtype = DTYPES[model.config.dtype]
             x = torch.empty((ids.shape[0], model.config.hidden_size), dtype=dtype)
-            self.group.recv([x], self.rank - self.tp_size, 0).wait()
+            _wait(self.group.recv([x], self.rank - self.tp_size, 0), "receive")
             x = x.to(model.device)
         out = model.forward(x, pool, pages, start, wait_layer=wait_layer)
         logits = None
         if self.pp_rank < self.pp_size - 1:
-            self.group.send([out.contiguous().cpu()], self.rank + self.tp_size, 0).wait()
+            _wait(self.group.send([out.contiguous().cpu()], self.rank + self.tp_size, 0), "send")
         else:
             logits = out[-1]
             self._token[0] = int(logits.argmax())
-        self.group.broadcast([self._token], self._root).wait()
+        _wait(self.group.broadcast([self._token], self._root), "token broadcast")
         return int(self._token[0]), logits
+
+
+def _wait(work: Any, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:  # a timeout, a dead peer: the group is broken
+        raise CollectiveError(f"PP {what} failed: {exc}") from exc
 
 
 def local_token(

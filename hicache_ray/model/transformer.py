@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hicache_ray.errors import CollectiveError
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.memory import DevicePool
 from hicache_ray.model.attention import paged_attention, position_slots
@@ -174,6 +175,9 @@ def gloo_tp_all_reduce(group: object) -> TPGroup:
     opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
 
     def all_reduce(t: torch.Tensor) -> None:
-        group.allreduce([t], opts).wait()  # type: ignore[attr-defined]
+        try:
+            group.allreduce([t], opts).wait()  # type: ignore[attr-defined]
+        except RuntimeError as exc:  # a timeout, a dead peer: the group is broken
+            raise CollectiveError(f"TP all-reduce failed: {exc}") from exc
 
     return all_reduce

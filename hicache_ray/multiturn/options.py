@@ -69,8 +69,7 @@ class ExperimentOptions:
         storage = StorageConfig(
             backend=self.storage,
             model_id=f"reference/{self.model}",
-            tp_lcm_size=4,
-            head_group=1,  # one KV head per object: TP=4 ranks of 4-head models own one each
+            share_tp=(1, 2, 4),  # TP=4 ranks of 4-head models own one KV head per object
             ray=RayStorageOptions(name=self.store),
             file=FileStorageOptions(root=self.storage_root, scan_on_start=False),
         )

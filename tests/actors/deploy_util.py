@@ -35,12 +35,12 @@ def cache_config(store: str | None, *, device_tokens: int = 512) -> CacheConfig:
         storage = StorageConfig(
             backend="ray",
             model_id="test4",
-            tp_lcm_size=4,
-            head_group=1,
+            share_tp=(1, 2, 4),
+            share_pp=(1, 2),
             ray=RayStorageOptions(name=store, num_shards=2),
         )
     return CacheConfig(
-        memory=MemoryConfig(page_size=PAGE, device_tokens=device_tokens, layer_granule=1),
+        memory=MemoryConfig(page_size=PAGE, device_tokens=device_tokens),
         prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0),
         storage=storage,
     )

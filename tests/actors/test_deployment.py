@@ -94,7 +94,7 @@ def test_stats_health_and_idle(ray_local: None, tp2: Any) -> None:
         assert ctl["steps"] > 0 and ctl["pending_backups"] == 0
         assert rank["storage"]["backend"] == "ray" and rank["storage"]["put_pages"] > 0
     health = tp2.health()
-    assert all(h["stepping"] and h["error"] is None for h in health)
+    assert all(h.stepping and h.error is None for h in health)
     for rank in range(2):
         ray.get(_rank(tp2, rank).check_integrity.remote())
 
@@ -110,15 +110,15 @@ def test_a_killed_rank_is_replaced_and_requests_retried(
     future = tp2.submit(GenerateRequest(f"victim{victim}", tokens + prompt(9, 8), 24))
     ray.kill(_rank(tp2, victim), no_restart=True)
     result = future.result(timeout=120)
-    assert tp2.generation == before + 1 and tp2.reforms[-1]["seconds"] > 0
-    assert tp2.reforms[-1]["cause"].startswith(("rank 0 stopped", "a rank actor died"))
-    assert f"rank {victim} does not answer" in tp2.reforms[-1]["cause"]
+    assert tp2.generation == before + 1 and tp2.reforms[-1].seconds > 0
+    assert tp2.reforms[-1].cause.startswith(("rank 0 stopped", "a rank actor died"))
+    assert f"rank {victim} does not answer" in tp2.reforms[-1].cause
     assert result.output_tokens == recompute(tokens + prompt(9, 8), 24)
     # L1/L2 died with the ranks; the prefix came back from L3 (or, if the kill landed
     # before the backups finished, was recomputed: never wrong either way).
     assert result.device_hit_tokens == 0
     assert result.storage_hit_tokens >= 32
-    assert all(h["stepping"] for h in tp2.health())
+    assert all(h.stepping for h in tp2.health())
 
 
 def test_a_stalled_rank_times_out_and_the_deployment_recovers(ray_local: None, tp2: Any) -> None:
@@ -127,7 +127,7 @@ def test_a_stalled_rank_times_out_and_the_deployment_recovers(ray_local: None, t
     tokens = prompt(10, 13)
     result = tp2.generate([GenerateRequest("stalled", tokens, 3)])[0]
     assert tp2.generation == before + 1
-    cause = tp2.reforms[-1]["cause"]
+    cause = tp2.reforms[-1].cause
     assert "ConsensusError" in cause and "timeout 5.0s" in cause and "timed out" in cause
     assert "suspects: rank 1 stalled outside the step" in cause  # the stalled rank is named
     assert result.output_tokens == recompute(tokens, 3)

@@ -1,8 +1,9 @@
 """Heterogeneous deployments sharing one L3 namespace: TP=2 -> TP=4 and PP=2 -> PP=1.
 
 A conversation prefilled on one deployment continues on another of a different shape: the
-second gets L3 hits for the shared prefix (unified keys, ``tp_lcm_size`` 4, one-layer
-granules) and its output equals its own shape's full recompute.
+second gets L3 hits for the shared prefix (unified keys; ``share_tp`` (1, 2, 4) and
+``share_pp`` (1, 2) give one-layer, one-head objects) and its output equals its own shape's
+full recompute.
 """
 
 from __future__ import annotations

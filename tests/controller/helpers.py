@@ -40,7 +40,8 @@ def controller_config(
     backend: str = "memory",
     faults: tuple[Fault, ...] = (),
     batch_size_pages: int = 4,
-    head_group: int = 0,
+    share_tp: tuple[int, ...] = (),
+    share_pp: tuple[int, ...] = (),
     mem_layout: str = "page_first",
 ) -> CacheConfig:
     return CacheConfig(
@@ -64,7 +65,8 @@ def controller_config(
             backend=backend,
             model_id="test/model",
             batch_size_pages=batch_size_pages,
-            head_group=head_group,
+            share_tp=share_tp,
+            share_pp=share_pp,
             memory=MemoryStorageOptions(),
             faults=faults,
         ),

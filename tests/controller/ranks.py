@@ -99,10 +99,9 @@ def run_scenario(
     spec = SCENARIOS[name]
     odd = rank == ODD_RANK
     kv = make_kv(page_size=PAGE, num_kv_heads=4, tp_rank=rank, tp_size=world)
-    # One object per page and rank, so the fault counts above are counts of pages.
-    config = controller_config(
-        prefetch_policy=spec.get("policy", "wait_complete"), head_group=4 // world
-    )
+    # One object per page and rank (nothing declared: this TP size's own grid), so the
+    # fault counts above are counts of pages.
+    config = controller_config(prefetch_policy=spec.get("policy", "wait_complete"))
     objects = MemoryObjects()
     tokens = prompt(zlib.crc32(name.encode()) % 1000, 16 * PAGE)
     writer = make_controller(
@@ -154,7 +153,7 @@ def dying_rank_main(rank: int, world: int, ports: Any, out: Any, die_at: int) ->
     torch.set_num_threads(1)
     consensus = connect(rank, world, ports)
     kv = make_kv(page_size=PAGE, num_kv_heads=world, tp_rank=rank, tp_size=world)
-    config = controller_config(head_group=1)
+    config = controller_config()
     ctl = make_controller(config, kv, MemoryObjects(), consensus=consensus)
     start = 0.0
     try:
@@ -188,7 +187,7 @@ def stalled_rank_main(
             rank, world, "127.0.0.1", ports.get(timeout=60), timeout_s=timeout_s
         )
     kv = make_kv(page_size=PAGE, num_kv_heads=world, tp_rank=rank, tp_size=world)
-    ctl = make_controller(controller_config(head_group=1), kv, MemoryObjects(), consensus=consensus)
+    ctl = make_controller(controller_config(), kv, MemoryObjects(), consensus=consensus)
     start = 0.0
     try:
         for step in range(1, 1_000_000):

@@ -50,11 +50,11 @@ def test_pages_come_back_from_l3_exactly(policy: str) -> None:
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_objects_split_by_head_and_layer_round_trip_through_every_layout(layout: str) -> None:
-    # One object per KV head (and per 2 layers in page_first_direct): in most layouts they
-    # are not contiguous in the host pool, so reads and backups go through staging copies.
+    # One object per KV head and layer: in most layouts they are not contiguous in the
+    # host pool, so reads and backups go through staging copies.
     objects = MemoryObjects()
     tokens = prompt(11, 40)
-    config = {"head_group": 1, "mem_layout": layout}
+    config = {"share_tp": (1, KV.model.num_kv_heads), "share_pp": (1, 2), "mem_layout": layout}
     stored(objects, tokens, **config)
     reader = make_controller(controller_config(**config), KV, objects)  # type: ignore[arg-type]
     cached, _ = run_request(reader, "r", tokens)

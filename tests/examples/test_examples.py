@@ -35,11 +35,10 @@ def test_hetero_tp_continues_on_tp4_from_l3(ray_local: None) -> None:
     assert totals["tp4_l3_hit_tokens"] >= 2 * 96
 
 
-def _post(port: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def _post(port: int, body: dict[str, Any] | bytes) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        f"http://127.0.0.1:{port}/", data=data, headers={"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=120) as answer:
@@ -65,8 +64,40 @@ def test_serve_app_answers_http_with_cache_statistics(ray_local: None) -> None:
         )
         assert status == 200 and again["device_hit_tokens"] >= 48
         status, bad = _post(port, {"tokens": [10**6]})
-        assert status == 400 and "token ids must lie" in bad["error"]
-        status, bad = _post(port, {"nothing": 1})
-        assert status == 400 and "bad request body" in bad["error"]
+        assert status == 400 and "vocabulary" in bad["error"]
+        for body in BAD_BODIES:
+            status, bad = _post(port, body)
+            assert status == 400 and bad["error"].startswith("bad request body"), (body, bad)
+        status, bad = _post(port, b'{"tokens": [' + b"1, " * 400_000 + b"1]}")
+        assert status == 413 and "over" in bad["error"]
+        status, mine = _post(port, {"tokens": tokens, "max_new_tokens": 1, "rid": "client-7"})
+        assert status == 200 and mine["rid"] == "client-7"
+        # no client input re-formed the deployment or wiped its cache
+        app = serve.get_app_handle("hicache")
+        stats = app.stats.remote().result(timeout_s=60)
+        assert stats["generation"] == 0 and not stats["reforms"]
+        status, last = _post(port, {"tokens": [*tokens, 9], "max_new_tokens": 1})
+        assert status == 200 and last["device_hit_tokens"] >= 48
     finally:
         serve.shutdown()
+
+
+# Bodies that must be refused with 400 (never 500, never coerced into a request).
+BAD_BODIES: list[dict[str, Any] | bytes] = [
+    {"nothing": 1},
+    {"tokens": [1, 2, 3], "rid": 123},
+    {"tokens": [1, 2, 3], "rid": ["x"]},
+    {"tokens": [1, 2, 3], "rid": {"a": 1}},
+    b'{"tokens": [1e400]}',
+    b'{"tokens": [1, 2], "max_new_tokens": 1e400}',
+    {"tokens": "1234"},
+    {"tokens": [1.9, 2.0]},
+    {"tokens": [True, 2]},
+    {"tokens": {"1": 2}},
+    {"tokens": [1, 2], "max_new_tokens": 2.7},
+    {"tokens": [1, 2], "max_new_tokens": "4"},
+    {"tokens": [1, 2], "extra": 1},
+    b'{"tokens": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    b"not json",
+    b"[1, 2, 3]",
+]

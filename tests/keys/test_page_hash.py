@@ -47,6 +47,18 @@ def test_tenant_salts_give_disjoint_keys() -> None:
     assert salt_seed(None) == salt_seed("") == b""
 
 
+def test_the_salt_seed_is_sglangs_storage_namespace_seed() -> None:
+    # sglang.srt.mem_cache.utils.storage_namespace_seed(None, "tenant-a"), spelled out
+    import hashlib
+
+    h = hashlib.sha256(b"sglang-cache-namespace-v1")
+    h.update(b"\x00" + b"\x01" + (8).to_bytes(8, "little") + b"tenant-a")
+    assert salt_seed("tenant-a") == h.digest()
+    assert page_hashes([1, 2, 3, 4], 4, salt="tenant-a") == page_hashes(
+        [1, 2, 3, 4], 4, prior=h.digest()
+    )
+
+
 def test_prefix_sharing_pages_share_hashes_and_a_change_breaks_the_chain() -> None:
     base = list(range(256))
     changed = base.copy()

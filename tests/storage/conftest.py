@@ -23,12 +23,12 @@ from hicache_ray.storage.batched import BatchedBackend
 BACKENDS = ("memory", "memory-batched", "file", "file-s3", "ray")
 
 
-def make_plan(*, model_id: str = "test/model", tp_lcm_size: int = 2) -> ShardPlan:
+def make_plan(*, model_id: str = "test/model", share_tp: tuple[int, ...] = (1, 2)) -> ShardPlan:
     model = ModelKV(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16")
     kv = ShardKV(model=model, shard=Shard(), page_size=4)
     config = CacheConfig(
         memory=MemoryConfig(page_size=4, device_tokens=64),
-        storage=StorageConfig(backend="memory", model_id=model_id, tp_lcm_size=tp_lcm_size),
+        storage=StorageConfig(backend="memory", model_id=model_id, share_tp=share_tp),
     )
     return plan_shard(kv, config)
 

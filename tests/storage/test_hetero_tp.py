@@ -23,7 +23,7 @@ TOKENS = list(range(1000, 1000 + 3 * PAGE))  # three pages
 MODEL = ModelKV(num_layers=4, num_kv_heads=8, head_dim=4, dtype="float32")
 CONFIG = CacheConfig(
     memory=MemoryConfig(page_size=PAGE, device_tokens=64, layer_granule=2),
-    storage=StorageConfig(backend="memory", model_id="hetero", tp_lcm_size=4),
+    storage=StorageConfig(backend="memory", model_id="hetero", share_tp=(1, 2, 4), share_pp=(1, 2)),
 )
 
 
@@ -96,7 +96,11 @@ def test_a_different_namespace_gets_no_hits() -> None:
     other = CacheConfig(
         memory=CONFIG.memory,
         storage=StorageConfig(
-            backend="memory", model_id="hetero", tp_lcm_size=4, model_revision="v2"
+            backend="memory",
+            model_id="hetero",
+            share_tp=(1, 2, 4),
+            share_pp=(1, 2),
+            model_revision="v2",
         ),
     )
     kv = _shards(4, 1)[0]

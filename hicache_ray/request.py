@@ -1,0 +1,197 @@
+"""Requests as they enter a deployment, and the check every one passes first.
+
+``GenerateRequest`` is a plain struct, so it can hold whatever a caller put in it; nothing
+reaches a rank, let alone a collective, before :func:`check_request` has turned it into a
+request of exactly the right types (token ids converted exactly from numpy or torch integer
+arrays, never from floats, bools or strings) and :func:`check_limits` has checked it
+against the model and the pool. A request that fails gets its own error result; the other
+requests of the same call are served normally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from hicache_ray.errors import HiCacheError
+
+__all__ = [
+    "MAX_NEW_TOKENS",
+    "MAX_RID_CHARS",
+    "MAX_TOKEN_ID",
+    "GenerateRequest",
+    "RequestError",
+    "RequestResult",
+    "check_limits",
+    "check_request",
+    "error_result",
+]
+
+MAX_RID_CHARS = 256
+MAX_NEW_TOKENS = 1 << 20
+MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as uint32
+
+
+class GenerateRequest(msgspec.Struct, frozen=True):
+    """A prompt and how many tokens to generate greedily.
+
+    Attributes:
+        rid: the caller's id of the request: a non-empty ``str`` of at most 256
+            characters, unique among the requests in flight.
+        tokens: the prompt's token ids: a non-empty list of ``int`` (a 1-D numpy or torch
+            integer array is accepted and converted exactly).
+        max_new_tokens: tokens to generate, an ``int`` in ``[0, 2**20]``.
+    """
+
+    rid: str
+    tokens: list[int]
+    max_new_tokens: int = 16
+
+
+class RequestResult(msgspec.Struct, kw_only=True):
+    """What one request produced and where its prefix came from.
+
+    Attributes:
+        rid: the request's id (empty when the id itself was what was wrong).
+        output_tokens: generated token ids.
+        device_hit_tokens / host_hit_tokens / storage_hit_tokens: cached prompt tokens by
+            tier (host hits include tokens prefetched from storage into the host pool).
+        recomputed_tokens: prompt tokens computed by the prefill.
+        ttft_s: admission to first token; prefetch_s: admission to take.
+        load_s: the longest L2 -> L1 copy of the prefix (it overlaps the prefill);
+        load_bytes / prefetch_bytes: bytes copied L2 -> L1 / read from L3 for it.
+        error: why the request was refused or failed (nothing else is set then), as
+            ``field: problem`` for a bad request.
+    """
+
+    rid: str
+    output_tokens: list[int] = msgspec.field(default_factory=list)
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    ttft_s: float = 0.0
+    prefetch_s: float = 0.0
+    load_s: float = 0.0
+    load_bytes: int = 0
+    prefetch_bytes: int = 0
+    error: str | None = None
+
+
+class RequestError(HiCacheError, ValueError):
+    """A request that cannot be run; ``field`` names what was wrong."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type[RequestError], tuple[str, str]]:
+        return type(self), (self.field, self.problem)
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _token_ids(tokens: object) -> list[int]:
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise RequestError(
+                "tokens", f"a numpy array must be 1-D of integers, got {tokens.dtype}{tokens.shape}"
+            )
+        out: list[int] = tokens.tolist()
+        return out
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
+            raise RequestError(
+                "tokens",
+                f"a tensor must be 1-D of integers, got {tokens.dtype}{tuple(tokens.shape)}",
+            )
+        if tokens.dtype == torch.bool:
+            raise RequestError("tokens", "a tensor of bools is not token ids")
+        out = tokens.tolist()
+        return out
+    if not isinstance(tokens, (list, tuple)):
+        raise RequestError("tokens", f"expected a list of int, got {type(tokens).__name__}")
+    if all(type(t) is int for t in tokens):
+        return list(tokens)
+    converted = []
+    for i, t in enumerate(tokens):
+        if type(t) is int:
+            converted.append(t)
+        elif isinstance(t, np.integer):
+            converted.append(int(t))
+        else:
+            raise RequestError(
+                "tokens", f"element {i} is {type(t).__name__} {_describe(t)}, expected int"
+            )
+    return converted
+
+
+def check_request(request: object) -> GenerateRequest:
+    """``request`` with exactly the right types (token ids as a list of ``int``).
+
+    Raises:
+        RequestError: naming the field and the problem.
+    """
+    if not isinstance(request, GenerateRequest):
+        raise RequestError("request", f"expected a GenerateRequest, got {type(request).__name__}")
+    rid = request.rid
+    if type(rid) is not str:
+        raise RequestError("rid", f"expected a str, got {type(rid).__name__} {_describe(rid)}")
+    if not 0 < len(rid) <= MAX_RID_CHARS:
+        raise RequestError("rid", f"must have 1 to {MAX_RID_CHARS} characters, got {len(rid)}")
+    tokens = _token_ids(request.tokens)
+    if not tokens:
+        raise RequestError("tokens", "empty prompt")
+    low, high = min(tokens), max(tokens)
+    if low < 0 or high > MAX_TOKEN_ID:
+        raise RequestError("tokens", f"token id {low if low < 0 else high} is out of range")
+    max_new = request.max_new_tokens
+    if type(max_new) is not int and not isinstance(max_new, np.integer):
+        raise RequestError(
+            "max_new_tokens", f"expected an int, got {type(max_new).__name__} {_describe(max_new)}"
+        )
+    max_new = int(max_new)
+    if not 0 <= max_new <= MAX_NEW_TOKENS:
+        raise RequestError("max_new_tokens", f"{max_new} is outside [0, {MAX_NEW_TOKENS}]")
+    if tokens is request.tokens and max_new is request.max_new_tokens:
+        return request
+    return GenerateRequest(rid, tokens, max_new)
+
+
+def check_limits(request: GenerateRequest, vocab_size: int, capacity_tokens: int) -> None:
+    """Refuse a (type-checked) request the model or the device pool can never serve.
+
+    Raises:
+        RequestError: a token id outside the vocabulary, or more tokens than the device
+            pool holds.
+    """
+    high = max(request.tokens)
+    if high >= vocab_size:
+        raise RequestError("tokens", f"token id {high} is outside the vocabulary [0, {vocab_size})")
+    total = len(request.tokens) + request.max_new_tokens
+    if total > capacity_tokens:
+        raise RequestError(
+            "tokens",
+            f"prompt plus max_new_tokens is {total} tokens, which can never fit the device "
+            f"pool ({capacity_tokens} tokens)",
+        )
+
+
+def error_result(request: object, error: str) -> RequestResult:
+    """An error result for ``request`` (whatever it is)."""
+    rid = getattr(request, "rid", "")
+    return RequestResult(rid=rid if type(rid) is str else "", error=error)
+
+
+def check_batch(requests: object) -> Sequence[object]:
+    """The sequence of requests of one call; raises ``TypeError`` for anything else."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise TypeError(f"expected a sequence of GenerateRequest, got {type(requests).__name__}")
+    return requests

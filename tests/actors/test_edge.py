@@ -1,0 +1,223 @@
+"""The deployment edge: bad requests refused alone, poison never loops, recovery from double
+and triple faults, shutdown with requests in flight, no spinning while requests wait."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+import pytest
+
+from hicache_ray.config import Fault, PrefetchConfig
+from hicache_ray.request import GenerateRequest
+from tests.ray_util import ensure_local_ray, wait_until
+from tests.test_request import BAD
+
+from .deploy_util import MODEL, cache_config, prompt, recompute, store_name
+
+ray = pytest.importorskip("ray")
+actors = pytest.importorskip("actors")
+
+
+def _launch(name: str, store: str | None = None, **overrides: Any) -> Any:
+    ensure_local_ray()
+    settings: dict[str, Any] = {
+        "cache": cache_config(store),
+        "host_budget_bytes": 16 << 20,
+        "consensus_timeout_s": 5.0,
+        **overrides,
+    }
+    config = actors.DeploymentConfig(name=name, model=MODEL, tp_size=2, **settings)
+    return actors.Deployment.launch(config)
+
+
+@pytest.fixture(scope="module")
+def edge() -> Iterator[Any]:
+    deployment = _launch("edge")
+    yield deployment
+    deployment.shutdown()
+
+
+def _actor(deployment: Any, generation: int, rank: int) -> Any:
+    name = f"hicache-{deployment.config.name}-g{generation}-rank{rank}"
+    return ray.get_actor(name, namespace="hicache")
+
+
+def test_every_bad_request_is_refused_alone(ray_local: None, edge: Any) -> None:
+    a, b = prompt(1, 13), prompt(2, 9)
+    want_a, want_b = recompute(a, 3), recompute(b, 3)
+    generation = edge.generation
+    for i, (bad, field) in enumerate(BAD):
+        good_a, good_b = GenerateRequest(f"a{i}", a, 3), GenerateRequest(f"b{i}", b, 3)
+        out = edge.generate([good_a, bad, good_b])
+        assert out[0].output_tokens == want_a and out[2].output_tokens == want_b, field
+        assert out[1].error is not None and out[1].error.startswith(f"{field}: "), out[1].error
+    # nothing re-formed, and L1 still holds the prompts (a follow-up hits the device)
+    assert edge.generation == generation and not edge.reforms
+    again = edge.generate([GenerateRequest("again", a + want_a + b, 2)])[0]
+    assert again.device_hit_tokens >= 12
+    # a request sent to rank 0 directly, past the driver's check, is refused there too
+    rank0 = _actor(edge, edge.generation, 0)
+    for bad, field in BAD[:6]:
+        result = ray.get(rank0.generate.remote(bad), timeout=30)
+        assert result.error.startswith(f"{field}: ")
+    assert edge.generation == generation
+
+
+def test_a_call_that_is_not_a_batch_or_repeats_a_rid(ray_local: None, edge: Any) -> None:
+    with pytest.raises(TypeError, match="sequence of GenerateRequest"):
+        edge.generate("abc")
+    tokens = prompt(3, 9)
+    out = edge.generate([GenerateRequest("dup", tokens, 2), GenerateRequest("dup", tokens, 2)])
+    assert out[0].error is None and out[1].error.startswith("rid: ")
+    out = edge.generate([None, GenerateRequest("fine", tokens, 2)])
+    assert out[0].error.startswith("request: ") and out[1].output_tokens == recompute(tokens, 2)
+
+    async def bad_async() -> Any:
+        return await edge.generate_async(GenerateRequest("x", [0.5], 2))  # type: ignore[list-item]
+
+    assert asyncio.run(bad_async()).error.startswith("tokens: ")
+
+
+def test_a_request_that_raises_fails_alone_without_re_forming(ray_local: None, edge: Any) -> None:
+    generation = edge.generation
+    for rank in range(2):
+        ray.get(_actor(edge, generation, rank).raise_for.remote("poison", "decode"), timeout=30)
+    tokens = prompt(4, 11)
+    out = edge.generate(
+        [GenerateRequest("poison", prompt(5, 9), 4), GenerateRequest("ok", tokens, 4)]
+    )
+    assert out[0].error == "ValueError: injected failure of poison at decode"
+    assert out[1].output_tokens == recompute(tokens, 4)
+    assert edge.generation == generation and not edge.reforms
+    edge.wait_idle(timeout_s=30)
+    for rank in range(2):
+        ray.get(_actor(edge, generation, rank).check_integrity.remote(), timeout=30)
+
+
+def _kill_when_alive(deployment: Any, generation: int, rank: int, timeout_s: float = 60) -> None:
+    """Kill rank ``rank`` of ``generation`` as soon as its actor exists (it may be joining)."""
+
+    def exists() -> bool:
+        try:
+            _actor(deployment, generation, rank)
+        except ValueError:
+            return False
+        return True
+
+    wait_until(exists, timeout_s, f"generation {generation} rank {rank}")
+    ray.kill(_actor(deployment, generation, rank), no_restart=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "kills"),
+    [
+        ("twice", [(0, [1]), (1, [1])]),  # rank 1, then the new rank 1 while it joins
+        ("all-ranks", [(0, [0, 1])]),  # every rank at once
+        ("rank0-reforming", [(0, [1]), (1, [0]), (2, [1])]),  # three in a row
+    ],
+)
+def test_faults_during_recovery_never_break_the_deployment(
+    ray_local: None, name: str, kills: list[tuple[int, list[int]]]
+) -> None:
+    store = store_name()
+    deployment = _launch(f"fault-{name}", store, max_retries=len(kills))
+    try:
+        tokens = prompt(6, 21)
+        future: Future[Any] = deployment.submit(GenerateRequest("r", tokens, 40))
+        for generation, ranks in kills:
+            for rank in ranks:
+                _kill_when_alive(deployment, generation, rank)
+        result = future.result(timeout=180)
+        assert result.output_tokens == recompute(tokens, 40)
+        assert deployment.state.value == "serving"
+        assert all(h.stepping for h in deployment.health())
+        later = deployment.generate([GenerateRequest("later", tokens, 2)])[0]
+        assert later.output_tokens == recompute(tokens, 2)
+    finally:
+        deployment.shutdown()
+        actors.clear_store(cache_config(store).storage.ray)
+
+
+def test_a_broken_deployment_says_so_and_heals_on_the_next_call(ray_local: None) -> None:
+    deployment = _launch("broken", max_retries=0)
+    try:
+        future: Future[Any] = deployment.submit(GenerateRequest("r", prompt(7, 9), 40))
+        _kill_when_alive(deployment, 0, 1)
+        with pytest.raises(actors.DeploymentError, match="failed after 0 retries"):
+            future.result(timeout=120)
+        assert deployment.state.value == "broken" and not deployment.ranks
+        assert all("broken" in (h.error or "") for h in deployment.health())
+        tokens = prompt(8, 9)
+        result = deployment.generate([GenerateRequest("next", tokens, 2)])[0]
+        assert result.output_tokens == recompute(tokens, 2)
+        assert deployment.state.value == "serving" and deployment.ranks
+    finally:
+        deployment.shutdown()
+
+
+def test_shutdown_fails_requests_in_flight_fast_and_is_final(ray_local: None) -> None:
+    deployment = _launch(
+        "closing", cache=cache_config(None, device_tokens=16384), host_budget_bytes=64 << 20
+    )
+    generation = deployment.generation
+    futures = [deployment.submit(GenerateRequest(f"r{i}", prompt(i, 9), 3000)) for i in range(3)]
+
+    async def one() -> Any:
+        return await deployment.generate_async(GenerateRequest("async", prompt(9, 9), 3000))
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(one())
+    loop.run_until_complete(asyncio.sleep(0.5))
+    assert not any(f.done() for f in futures) and not task.done()
+    started = time.monotonic()
+    deployment.shutdown()
+    for future in futures:
+        with pytest.raises(actors.DeploymentError, match="shut down"):
+            future.result(timeout=30)
+    with pytest.raises(actors.DeploymentError, match="shut down"):
+        loop.run_until_complete(asyncio.wait_for(task, 30))
+    loop.close()
+    assert time.monotonic() - started < 20
+    with pytest.raises(actors.DeploymentError, match="shut down"):
+        deployment.generate([GenerateRequest("late", prompt(1, 5), 2)])
+    assert deployment.generation == generation and deployment.state.value == "shut down"
+    assert all("shut down" in (h.error or "") for h in deployment.health())
+    deployment.shutdown()  # a second call does nothing
+
+
+def test_requests_waiting_on_a_slow_l3_do_not_spin_the_ranks(ray_local: None) -> None:
+    store = store_name()
+    base = cache_config(store)
+    writer = _launch("spin-writer", store)
+    tokens = prompt(10, 64)
+    try:
+        writer.generate([GenerateRequest("w", tokens, 1)])
+        writer.wait_idle(timeout_s=30)
+    finally:
+        writer.shutdown()
+    # The reader's first lookup takes 2 s; its request waits for it (wait_complete).
+    slow = msgspec.structs.replace(
+        base.storage, faults=(Fault(op="size", kind="delay", delay_s=2.0, limit=1),)
+    )
+    cache = msgspec.structs.replace(
+        base, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0), storage=slow
+    )
+    reader = _launch("spin-reader", cache=cache)
+    try:
+        before = [h.steps for h in reader.health()]
+        started = time.monotonic()
+        result = reader.generate([GenerateRequest("r", tokens + prompt(11, 3), 1)])[0]
+        waited = time.monotonic() - started
+        steps = [h.steps - b for h, b in zip(reader.health(), before, strict=True)]
+        assert result.storage_hit_tokens >= 48 and waited >= 2.0
+        # at most one step per 20 ms while the request waits (it used to be thousands)
+        assert max(steps) <= waited / 0.02 + 20, (steps, waited)
+    finally:
+        reader.shutdown()
+        actors.clear_store(base.storage.ray)
