@@ -3,8 +3,9 @@
 Importing this package registers the ``ray`` storage backend.
 """
 
-from actors.ray_store import NAMESPACE, RayObjects, clear_store, store_stats
+from actors.ray_store import NAMESPACE, RayObjects
 from actors.spec import DeploymentConfig
+from actors.stores import StoreInfo, clear_store, drop_store, list_stores, store_stats
 
 __all__ = [
     "NAMESPACE",
@@ -13,7 +14,10 @@ __all__ = [
     "DeploymentError",
     "RankFailure",
     "RayObjects",
+    "StoreInfo",
     "clear_store",
+    "drop_store",
+    "list_stores",
     "store_stats",
 ]
 

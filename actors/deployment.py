@@ -295,8 +295,9 @@ class Deployment:
         return out
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
-        """Block until no request is in flight and every rank's background work (host
-        writes, prefetches, L3 backups) is done and acknowledged.
+        """Block until no request is in flight, every rank's background work (host
+        writes, prefetches, L3 backups) is done and acknowledged, and the pages stored in
+        L3 outlive the ranks (a store that copies them in the background has done so).
 
         Raises:
             TimeoutError: still busy after ``timeout_s``.
@@ -309,6 +310,7 @@ class Deployment:
                 raise DeploymentError(f"deployment {self.config.name!r} is {self.state.value}")
             left = max(0.1, deadline - time.monotonic())
             if ray.get(ranks[0].idle.remote(), timeout=left):
+                ray.get([r.flush_storage.remote() for r in ranks], timeout=left)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"deployment {self.config.name!r} still busy after {timeout_s}s")
@@ -506,11 +508,26 @@ class Deployment:
             except Exception as exc:  # a dead rank: nothing to stop
                 log.debug("deployment %s: stopping ranks: %s", self.config.name, exc)
         self._kill_ranks()
+        self._wait_gone(ranks)
 
     def _kill_ranks(self) -> None:
         for actor in self.ranks:
             ray.kill(actor, no_restart=True)
         self.ranks = []
+
+    def _wait_gone(self, actors: list[Any], timeout_s: float = _STOP_S) -> None:
+        """Wait (bounded) until killed rank actors are dead: no thread of theirs touches the
+        L3 store once shutdown returns."""
+        deadline = time.monotonic() + timeout_s
+        for actor in actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.__ray_ready__.remote(), timeout=0.5)
+                except RayActorError:
+                    break
+                except GetTimeoutError:
+                    continue
+                time.sleep(0.02)
 
 
 class _ReformFailed(DeploymentError):

@@ -19,7 +19,7 @@ import ray
 
 from actors.deployment import Deployment
 from actors.multiturn import Progress, mode_cache, oracle_hits, serve_rounds
-from actors.ray_store import clear_store
+from actors.stores import drop_store
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.model import preset
 from hicache_ray.multiturn.exact import recompute
@@ -112,8 +112,8 @@ def run_demo(
         finally:
             tp2.shutdown()
             tp4.shutdown()
-            if opts.storage == "ray":
-                clear_store(cache.storage.ray)
+            if opts.storage == "ray" and not opts.keep_store:
+                drop_store(cache.storage.ray.name)
     found = figures(series, sum(best))
     found.append(_exactness(series, opts, log))
     log(table(series))
@@ -144,8 +144,8 @@ def run_multiturn_bench(
                 device_pages, host_pages = _capacities(deployment)
             finally:
                 deployment.shutdown()
-                if mode == "l1_l2_l3" and opts.storage == "ray":
-                    clear_store(cache.storage.ray)
+                if mode == "l1_l2_l3" and opts.storage == "ray" and not opts.keep_store:
+                    drop_store(cache.storage.ray.name)
             # wait_complete makes L3 hits deterministic: only then is its ratio a target
             l3_target = 0.95 if opts.prefetch_policy == "wait_complete" else None
             s = Series(

@@ -34,8 +34,9 @@ import torch
 
 from actors.deployment import Deployment, DeploymentError
 from actors.experiments import embedded_ray
-from actors.ray_store import NAMESPACE, clear_store, shared_storage, store_stats
+from actors.ray_store import NAMESPACE, shared_storage
 from actors.spec import DeploymentConfig
+from actors.stores import drop_store, store_stats
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.config import (
     CacheConfig,
@@ -167,7 +168,7 @@ def _scenario(name: str, opts: FaultOptions, log: Callable[[str], None]) -> list
         seen = _storage_counts(deployment)
     finally:
         deployment.shutdown()
-        clear_store(store)
+        drop_store(store.name)
     wrong = sum(r.output_tokens != recompute(model, p, opts.answer_len) for p, r in served)
     log(
         f"{name}: {len(served)} requests after the fault, {wrong} wrong, {failed} failed, "

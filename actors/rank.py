@@ -240,6 +240,11 @@ class RankActor:
             inbox = bool(self._inbox)
         return rt is not None and not (inbox or rt.has_work or rt.busy)
 
+    def flush_storage(self) -> None:
+        """Wait until the L3 pages this rank stored so far outlive it (see the backend)."""
+        if self.controller is not None and self.controller.storage is not None:
+            self.controller.storage.flush()
+
     def pause(self, seconds: float) -> None:
         """Fault injection (tests, ``bench faults``): the step thread stalls for
         ``seconds`` before its next step, as a hung rank would."""

@@ -4,10 +4,13 @@
 :class:`~actors.l3_shard.PageShard` actors (``hicache-l3-{name}-{i}`` in the Ray namespace
 ``hicache``), created by the first user and found by name by every later one, in any job.
 A key belongs to shard ``xxh64(key) % num_shards``. Every batch makes one call per shard
-involved, all shards at once: ``size_many`` asks ``sizes``, ``write_many`` sends each shard
-its pages (grouped into objects of about ``object_bytes``), ``read_many`` asks ``locate``
-for object references, fetches the objects (zero-copy on the same node; Ray moves them
-across nodes) and copies each payload into the caller's buffer while hashing it.
+involved, all shards at once: ``size_many`` asks ``sizes``; ``write_many`` puts each
+shard's pages into objects of about ``object_bytes`` (one copy, owned by the writer for a
+moment) and hands the shard their references (the shard serves them at once and copies
+them into objects it owns in the background: ``flush`` waits for that); ``read_many``
+asks ``locate`` for object references, fetches the objects (zero-copy on the same node;
+Ray moves them across nodes) and copies each payload into the caller's buffer while
+hashing it, on ``_COPY_THREADS`` threads.
 
 Failures are misses: a shard that does not answer within ``timeout_s`` or died fails its
 keys (the batch stops there; a restarted shard comes back empty); an object that is lost
@@ -22,34 +25,37 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
 import xxhash
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.l3_shard import PageShard
 from hicache_ray.config import Fault, RayStorageOptions, StorageConfig
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend, register_backend
-from hicache_ray.storage.batched import BatchedBackend
-from hicache_ray.storage.objects import ObjectStore, ReadOutcome
+from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
     CorruptPage,
     copy_hashed,
     header_length,
 )
+from hicache_ray.storage.paged import PagedBackend
 from hicache_ray.storage.registry import with_faults
 
-__all__ = ["NAMESPACE", "RayObjects", "clear_store", "shared_storage", "store_stats"]
+__all__ = ["NAMESPACE", "RayObjects", "mark_dropped", "shard_name", "shared_storage"]
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "hicache"  # Ray namespace of the shard actors: every job finds them by name
-_COPY_THREADS = 2  # payload copies (and checksums) of one read run on this many threads
+# Payload copies (and checksums) of one read run on this many threads; copies are bound
+# by memory bandwidth, checksums by the CPU: three beat two even on two cores here.
+_COPY_THREADS = 3
 _RETRY_S = 0.05  # a restarting shard is asked again this often (control calls only)
 _Shard = ray.remote(PageShard)
 
@@ -60,24 +66,78 @@ class _ShardError(OSError):
     restarting = False
 
 
-def _shard_handle(opts: RayStorageOptions, index: int) -> Any:
+def shard_name(store: str, index: int) -> str:
+    """The actor name of shard ``index`` of store ``store`` (in namespace ``hicache``)."""
+    return f"hicache-l3-{store}-{index}"
+
+
+def _shard_handle(opts: RayStorageOptions, index: int, num_shards: int) -> Any:
+    # Shard i prefers node i (of the nodes alive when it is made), so a store's objects
+    # spread over the cluster's object stores; soft: a lost node's shard restarts elsewhere.
+    strategy: Any = "DEFAULT"  # never inside the caller's placement group
+    nodes = _candidate_nodes(opts)
+    if nodes and not opts.shard_resources:
+        strategy = NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=True)
     return _Shard.options(
-        name=f"hicache-l3-{opts.name}-{index}",
+        name=shard_name(opts.name, index),
         namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         num_cpus=0,
         max_restarts=-1,  # a crashed shard comes back (empty: its objects died with it)
         max_concurrency=8,
-        scheduling_strategy="DEFAULT",  # never inside the caller's placement group
+        scheduling_strategy=strategy,
         resources=dict(opts.shard_resources),
-    ).remote(opts.num_shards, opts.capacity_bytes // opts.num_shards)
+    ).remote(num_shards, opts.capacity_bytes // num_shards)
+
+
+def _candidate_nodes(opts: RayStorageOptions) -> list[str]:
+    """Alive nodes that offer the shards' resources, by node id."""
+    alive = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
+    fit = [
+        n
+        for n in alive
+        if all(n["Resources"].get(r, 0) >= a for r, a in opts.shard_resources.items())
+    ]
+    return sorted(str(n["NodeID"]) for n in fit)
+
+
+_DROPPED = b"hicache/dropped/"  # GCS key prefix of dropped stores (internal KV)
+
+
+def mark_dropped(name: str, dropped: bool) -> None:
+    """Record (or clear) that store ``name`` was dropped: clients that lose a shard of a
+    dropped store do not make it again."""
+    from ray.experimental import internal_kv
+
+    key = _DROPPED + name.encode()
+    if dropped:
+        internal_kv._internal_kv_put(key, b"1", overwrite=True, namespace=NAMESPACE)
+    else:
+        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+
+
+def _is_dropped(name: str) -> bool:
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(_DROPPED + name.encode(), namespace=NAMESPACE) is not None
+
+
+def _existing_shards(name: str) -> int | None:
+    """The shard count of store ``name`` as its shard 0 reports it; None: no such store."""
+    try:
+        shard = ray.get_actor(shard_name(name, 0), namespace=NAMESPACE)
+    except ValueError:
+        return None
+    try:
+        found = cast(dict[str, int], ray.get(shard.describe.remote(), timeout=30))
+    except RayError:
+        return None  # dying or restarting: the caller's own count decides
+    return found["num_shards"]
 
 
 class RayObjects(ObjectStore):
     """Client of the shard actors of store ``options.name`` (see the module docstring)."""
-
-    parallel_reads = False
 
     def __init__(self, options: RayStorageOptions) -> None:
         if not ray.is_initialized():
@@ -89,10 +149,14 @@ class RayObjects(ObjectStore):
             )
         self.options = options
         self._lock = threading.Lock()
-        self._shards = [_shard_handle(options, i) for i in range(options.num_shards)]
+        mark_dropped(options.name, False)  # opening a store (again) makes it
+        existing = _existing_shards(options.name) if options.num_shards == 0 else None
+        # 0: join the store's own count, or make one shard per node that can hold one
+        self.num_shards = options.num_shards or existing or max(1, len(_candidate_nodes(options)))
+        self._shards = [_shard_handle(options, i, self.num_shards) for i in range(self.num_shards)]
         self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-ray-copy")
-        found = self._call(0, "describe")
-        if found["num_shards"] != options.num_shards:
+        found = self.call(0, "describe")
+        if found["num_shards"] != self.num_shards:
             raise ConfigError(
                 "ray.num_shards",
                 options.num_shards,
@@ -102,11 +166,16 @@ class RayObjects(ObjectStore):
 
     # ------------------------------------------------------------- batches
 
-    def size_many(self, keys: Sequence[str]) -> list[int | Exception | None]:
-        out: list[int | Exception | None] = [None] * len(keys)
+    def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
+        out: list[SizeOutcome] = [None] * len(keys)
         for idx, answer in self._fan_out(keys, "sizes"):
             for i, value in zip(idx, _spread(answer, len(idx)), strict=True):
                 out[i] = value
+        # Every shard answered at once; the batch still ends at its first failure (and, for
+        # leading lookups, its first absent key).
+        for i, value in enumerate(out):
+            if isinstance(value, Exception) or (leading and value is None):
+                return out[: i + 1]
         return out
 
     def write_many(
@@ -129,7 +198,18 @@ class RayObjects(ObjectStore):
             items: list[Any] = []
             for i in idx:
                 items += [headers[i], np.frombuffer(payloads[i], dtype=np.uint8)]
-            calls.append((shard, idx, self._remote(shard, "put", [keys[i] for i in idx], items)))
+            # NOTE: one copy here, into an object this process owns; the shard serves it at
+            # once and makes its own copy in the background (see ``l3_shard``), so a put
+            # costs the writer one copy, not two.
+            sizes = [len(headers[i]) + payloads[i].nbytes for i in idx]
+            try:
+                holder = [ray.put(items)]
+            except RayError as exc:
+                calls.append((shard, idx, exc))
+                continue
+            calls.append(
+                (shard, idx, self._remote(shard, "put", [keys[i] for i in idx], sizes, holder))
+            )
         for shard, idx, ref in calls:
             answer = self._wait(shard, ref)
             for i, ok in zip(idx, _spread(answer, len(idx)), strict=True):
@@ -137,17 +217,21 @@ class RayObjects(ObjectStore):
                     errors[i] = ok
                 elif not ok:
                     errors[i] = OSError(f"store {self.options.name!r} shard {shard} is full")
+        for i, error in enumerate(errors):
+            if error is not None:  # the batch ends there (later keys may be stored anyway)
+                return errors[: i + 1]
         return errors
 
     def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
         # NOTE: each shard's pages are fetched and copied as soon as its answer arrives,
-        # while the other shards' answers are still on their way. Copies may so run past
-        # a key that turns out absent (buffers past the count are unspecified); every copy
-        # is waited for before returning.
+        # while the other shards' answers are still on their way, in one job per copy
+        # thread (a future per page cost more than its copy). Copies may so run past a key
+        # that turns out absent; every copy is waited for before returning.
         n = len(keys)
         where: list[Any] = [None] * n  # True (copying), None (absent), or the failure
         gap = n  # lowest key known not to be readable: nothing past it is copied
-        copies: dict[int, Future[ReadOutcome]] = {}
+        copied: dict[int, ReadOutcome] = {}
+        jobs: list[Future[None]] = []
         lost: list[str] = []
         try:
             for idx, answer in self._fan_out(keys, "locate"):
@@ -158,6 +242,7 @@ class RayObjects(ObjectStore):
                     continue
                 refs, found = answer
                 objects = self._fetch(refs)
+                todo = []
                 for i, place in zip(idx, found, strict=True):
                     obj = None if place is None else objects.get(refs[place[0]].hex())
                     if obj is None:  # absent; or lost, or its owner died: a miss
@@ -166,16 +251,22 @@ class RayObjects(ObjectStore):
                         gap = min(gap, i)
                     elif i < gap:
                         where[i] = True
-                        copies[i] = self._copiers.submit(_copy_item, (obj, place[1], outs[i]))
+                        todo.append((i, obj, place[1], outs[i]))
+                for part in range(_COPY_THREADS):
+                    share = todo[part::_COPY_THREADS]
+                    if share:
+                        jobs.append(self._copiers.submit(_copy_items, share, copied))
+            for job in jobs:
+                job.result()
             outcomes: list[ReadOutcome] = []
             for i in range(n):
                 if where[i] is not True:
                     outcomes.append(where[i])  # the key that ends the batch
                     break
-                outcomes.append(copies[i].result())
+                outcomes.append(copied[i])
             return outcomes
         finally:
-            futures_wait(copies.values())  # no copy may still write into the caller's buffers
+            futures_wait(jobs)  # no copy may still write into the caller's buffers
             if lost:
                 self.remove_many(lost)  # their objects are gone: drop them from the index
 
@@ -183,32 +274,24 @@ class RayObjects(ObjectStore):
         for _ in self._fan_out(keys, "remove"):
             pass
 
-    # ------------------------------------------------------------ per key
+    def shard_handle(self, shard: int) -> Any:
+        """The actor handle of shard ``shard`` (benchmarks time one round trip with it)."""
+        with self._lock:
+            return self._shards[shard]
 
-    def write(self, key: str, header: bytes, payload: memoryview) -> None:
-        error = self.write_many([key], [header], [payload])[0]
-        if error is not None:
-            raise error
-
-    def read(self, key: str, out: memoryview) -> tuple[bytes, str | None] | None:
-        outcome = self.read_many([key], [out])[0]
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    def size(self, key: str) -> int | None:
-        size = self.size_many([key])[0]
-        if isinstance(size, Exception):
-            raise size
-        return size
-
-    def remove(self, key: str) -> None:
-        self.remove_many([key])
+    def flush(self) -> None:
+        """Wait until every shard owns the objects written to it so far (they then outlive
+        their writers); a shard that does not answer is skipped."""
+        for shard in range(len(self._shards)):
+            try:
+                self.call(shard, "settle", self.options.timeout_s)
+            except OSError as exc:
+                log.warning("store %s: settling shard %d failed: %s", self.options.name, shard, exc)
 
     def scan(self) -> Iterator[tuple[str, int, float]]:
         for shard in range(len(self._shards)):
             try:
-                yield from self._call(shard, "scan")
+                yield from self.call(shard, "scan")
             except OSError as exc:
                 log.warning("store %s: scanning shard %d failed: %s", self.options.name, shard, exc)
 
@@ -265,16 +348,16 @@ class RayObjects(ObjectStore):
 
     def _failed(self, shard: int, exc: Exception) -> OSError:
         restarting = isinstance(exc, ActorUnavailableError)
-        if isinstance(exc, RayActorError) and not restarting:  # gone: find or make it again
-            with self._lock:
-                self._shards[shard] = _shard_handle(self.options, shard)
+        if isinstance(exc, RayActorError) and not restarting and not _is_dropped(self.options.name):
+            with self._lock:  # gone for good: find or make it again (unless dropped)
+                self._shards[shard] = _shard_handle(self.options, shard, self.num_shards)
         failure = _ShardError(
             f"store {self.options.name!r} shard {shard}: {type(exc).__name__}: {exc}"
         )
         failure.restarting = restarting
         return failure
 
-    def _call(self, shard: int, method: str, *args: Any) -> Any:
+    def call(self, shard: int, method: str, *args: Any) -> Any:
         """One call that must go through (describe, scan, clear, stats): a shard that is
         restarting is asked again until ``timeout_s``."""
         deadline = time.monotonic() + self.options.timeout_s
@@ -310,9 +393,16 @@ def _spread(answer: Any, n: int) -> list[Any]:
     return [answer] * n if isinstance(answer, Exception) else list(answer)
 
 
-def _copy_item(job: tuple[list[Any], int, memoryview]) -> ReadOutcome:
+def _copy_items(
+    todo: list[tuple[int, list[Any], int, memoryview]], into: dict[int, ReadOutcome]
+) -> None:
+    """On a copy thread: each page's outcome into ``into`` (a dict: one writer per key)."""
+    for i, obj, item, out in todo:
+        into[i] = _copy_item(obj, item, out)
+
+
+def _copy_item(obj: list[Any], item: int, out: memoryview) -> ReadOutcome:
     """Header body and payload checksum of one stored page, its payload copied into ``out``."""
-    obj, item, out = job
     framed, payload = obj[item], obj[item + 1]
     try:
         start = PREFIX_BYTES + header_length(framed[:PREFIX_BYTES])
@@ -321,25 +411,6 @@ def _copy_item(job: tuple[list[Any], int, memoryview]) -> ReadOutcome:
     except CorruptPage as exc:
         return exc
     return bytes(framed[PREFIX_BYTES:start]), copy_hashed(memoryview(payload), out)
-
-
-def clear_store(options: RayStorageOptions) -> None:
-    """Drop every page of store ``options.name`` (its objects are freed)."""
-    store = RayObjects(options)
-    for shard in range(options.num_shards):
-        store._call(shard, "clear")
-    store.close()
-
-
-def store_stats(options: RayStorageOptions) -> dict[str, int]:
-    """Objects, keys and bytes of store ``options.name``, summed over its shards."""
-    store = RayObjects(options)
-    total: dict[str, int] = {}
-    for shard in range(options.num_shards):
-        for name, value in store._call(shard, "stats").items():
-            total[name] = total.get(name, 0) + value
-    store.close()
-    return total
 
 
 def shared_storage(
@@ -362,9 +433,11 @@ def shared_storage(
 
 
 def _ray_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
-    # No metadata TTL: the shards are one round trip away and evict on their own.
+    # No byte budget here: the shards evict on their own (capacity_bytes per shard).
     objects = with_faults(config, RayObjects(config.ray))
-    return BatchedBackend("ray", objects, plan, metadata_ttl_s=0.0, scan_on_start=False)
+    return PagedBackend(
+        "ray", objects, plan, metadata_ttl_s=config.ray.metadata_ttl_s, scan_on_start=False
+    )
 
 
 register_backend("ray", _ray_backend)

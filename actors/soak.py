@@ -27,8 +27,9 @@ import ray
 from actors.deployment import Deployment
 from actors.experiments import embedded_ray
 from actors.inspect import object_store_usage
-from actors.ray_store import clear_store, shared_storage
+from actors.ray_store import shared_storage
 from actors.spec import DeploymentConfig
+from actors.stores import drop_store
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.config import (
     CacheConfig,
@@ -157,7 +158,7 @@ def run_soak(opts: SoakOptions, log: Callable[[str], None]) -> list[Figure]:
             reforms = list(deployment.reforms)
         finally:
             deployment.shutdown()
-            clear_store(store)
+            drop_store(store.name)  # its shards go, and every object they owned with them
         drained = _wait_drained(baseline)
     sample = rnd.sample(served, min(opts.check, len(served)))
     wrong = sum(r.output_tokens != recompute(model, p, opts.answer_tokens) for p, r in sample)

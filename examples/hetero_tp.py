@@ -22,7 +22,7 @@ import os
 import ray
 import torch
 
-from actors import Deployment, DeploymentConfig, clear_store
+from actors import Deployment, DeploymentConfig, drop_store
 from hicache_ray.config import (
     CacheConfig,
     MemoryConfig,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     finally:
         tp2.shutdown()
         tp4.shutdown()
-        clear_store(store)
+        drop_store(store.name)
         if started:
             ray.shutdown()
     return totals

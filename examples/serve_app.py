@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse
 
 from actors import Deployment, DeploymentConfig
 from actors.deployment import DeploymentError
+from actors.stores import drop_store
 from hicache_ray.config import CacheConfig, MemoryConfig, RayStorageOptions, StorageConfig
 from hicache_ray.model import preset
 from hicache_ray.request import GenerateRequest
@@ -76,7 +77,13 @@ def _error(status: int, message: str) -> JSONResponse:
     placement_group_strategy="STRICT_PACK",
 )
 class CacheApp:
-    def __init__(self, model: str = "tiny4", store: str = "serve") -> None:
+    """One replica, its deployment and its L3 store (dropped when the app shuts down,
+    unless ``keep_store``: other apps naming the same store share it meanwhile)."""
+
+    def __init__(
+        self, model: str = "tiny4", store: str = "serve", keep_store: bool = False
+    ) -> None:
+        self.store, self.keep_store = store, keep_store
         cache = CacheConfig(
             memory=MemoryConfig(page_size=16, device_tokens=4096),
             storage=StorageConfig(
@@ -114,6 +121,8 @@ class CacheApp:
 
     def __del__(self) -> None:
         self.deployment.shutdown()
+        if not self.keep_store:
+            drop_store(self.store)
 
 
 app = CacheApp.bind()

@@ -92,6 +92,42 @@ def _stats(args: argparse.Namespace) -> int:
     return 1 if unhealthy else 0
 
 
+def _store(args: argparse.Namespace) -> int:
+    import json
+
+    import msgspec
+    import ray
+
+    from actors.stores import clear_store, drop_store, list_stores
+    from hicache_ray.config import RayStorageOptions
+
+    connected = ray.is_initialized()
+    if not connected:
+        ray.init(address=args.address, log_to_driver=False)
+    try:
+        found = {s.name: s for s in list_stores(timeout_s=args.timeout)}
+        if args.action == "ls":
+            text = json.dumps([msgspec.to_builtins(s) for s in found.values()], indent=2)
+            if args.json:
+                with open(args.json, "w") as out:
+                    out.write(text)
+            print(text)
+            return 0
+        if args.name not in found:
+            print(f"hicache-ray store: no store named {args.name!r}", file=sys.stderr)
+            return 1
+        if args.action == "clear":
+            clear_store(RayStorageOptions(name=args.name, num_shards=found[args.name].shards))
+            print(f"cleared store {args.name!r}")
+        else:
+            shards = drop_store(args.name, timeout_s=args.timeout)
+            print(f"dropped store {args.name!r} ({shards} shards)")
+        return 0
+    finally:
+        if not connected:
+            ray.shutdown()
+
+
 def _bench_faults(args: argparse.Namespace) -> int:
     from actors.faults_bench import SCENARIOS, FaultOptions, run_faults
 
@@ -145,6 +181,22 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", metavar="PATH", help="also write the JSON here")
     stats.add_argument("--timeout", type=float, default=10.0, help="seconds per actor")
     stats.set_defaults(func=_stats)
+
+    store = sub.add_parser("store", help="list, clear or drop the ray L3 stores of a cluster")
+    store_sub = store.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("ls", "every store: shards, objects, keys, bytes (JSON)"),
+        ("clear", "drop every page of a store (its shards stay)"),
+        ("drop", "kill a store's shards; every object they own is freed"),
+    ):
+        p = store_sub.add_parser(action, help=text)
+        if action != "ls":
+            p.add_argument("name", help="the store's name (RayStorageOptions.name)")
+        else:
+            p.add_argument("--json", metavar="PATH", help="also write the JSON here")
+        p.add_argument("--address", default="auto", help="Ray address of the cluster")
+        p.add_argument("--timeout", type=float, default=10.0, help="seconds per shard")
+        p.set_defaults(func=_store)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures beside ceilings")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

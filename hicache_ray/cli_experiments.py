@@ -47,6 +47,9 @@ def add_experiment_flags(p: argparse.ArgumentParser, *, demo: bool) -> None:
         p.add_argument("--pp", type=int, default=d.pp_size)
         p.add_argument("--modes", default=",".join(d.modes), help="comma-separated subset")
     p.add_argument("--check", type=int, default=d.check, help="requests re-run from scratch")
+    p.add_argument(
+        "--keep-store", action="store_true", help="keep the run's ray L3 store (default: dropped)"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quick", action="store_true", help="a small run (smoke tests)")
 
@@ -76,6 +79,7 @@ def _options(args: argparse.Namespace, demo: bool) -> Any:
         modes=tuple(getattr(args, "modes", "none").split(",")) if not demo else (),
         check=args.check,
         seed=args.seed,
+        keep_store=args.keep_store,
     )
     if args.quick:  # small enough for a test: the tiny model, short conversations
         opts = dataclasses.replace(

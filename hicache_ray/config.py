@@ -291,12 +291,14 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
         name: the store's name; deployments naming the same store (in the same Ray
             cluster) share its pages. Its shard actors are ``hicache-l3-{name}-{i}`` in
             the Ray namespace ``hicache``.
-        num_shards: index shards (one detached actor each); every user of a store must
-            agree on it (checked when connecting).
+        num_shards: index shards (one detached actor each, placed on different nodes); 0
+            joins an existing store with its own count, or makes one shard per node that
+            can hold one. Every user of a store must agree on it (checked when connecting).
         capacity_bytes: most bytes the store keeps in the object store, split evenly
             over the shards; least recently used objects are dropped past it; 0 means
             no limit (then only Ray's own object store capacity bounds it).
-        object_bytes: pages of one put are grouped into objects of about this size.
+        object_bytes: pages of one put are grouped into objects of about this size
+            (larger objects: fewer references to fetch per read, coarser eviction).
         timeout_s: how long one call to a shard or one object fetch may take before the
             batch counts as failed (a miss, never an error to the request).
         metadata_ttl_s: how long a client trusts "this page exists" before asking the
@@ -309,9 +311,9 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     name: str = "default"
-    num_shards: int = 4
+    num_shards: int = 0
     capacity_bytes: int = 0
-    object_bytes: int = 8 << 20
+    object_bytes: int = 32 << 20
     timeout_s: float = 30.0
     metadata_ttl_s: float = 2.0
     shard_resources: dict[str, float] = msgspec.field(default_factory=dict)
@@ -322,7 +324,7 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(
                 "ray.name", self.name, "not a plain name", "use letters, digits, '-' and '_'"
             )
-        check_positive("ray.num_shards", self.num_shards)
+        check_not_negative("ray.num_shards", self.num_shards)
         check_not_negative("ray.capacity_bytes", self.capacity_bytes)
         check_positive("ray.object_bytes", self.object_bytes)
         check_positive("ray.timeout_s", self.timeout_s)

@@ -31,11 +31,19 @@ def ray_local() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _shut_ray_down() -> Iterator[None]:
+    """Shut the shared Ray down at the end, after checking that every test dropped the L3
+    stores it made (a store left behind would live on in a real cluster)."""
     yield
     import sys
 
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        from actors.stores import drop_store, list_stores
+
+        left = [s.name for s in list_stores(timeout_s=5)]
+        for name in left:
+            drop_store(name)
         sys.modules["ray"].shutdown()
+        assert not left, f"tests left L3 stores alive: {left}"
 
 
 def make_kv(

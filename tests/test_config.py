@@ -155,7 +155,7 @@ def test_config_errors_survive_pickling() -> None:
     ("kwargs", "needle"),
     [
         ({"name": "a b"}, "ray.name"),
-        ({"num_shards": 0}, "ray.num_shards"),
+        ({"num_shards": -1}, "ray.num_shards"),
         ({"capacity_bytes": -1}, "ray.capacity_bytes"),
         ({"object_bytes": 0}, "ray.object_bytes"),
         ({"timeout_s": 0.0}, "ray.timeout_s"),

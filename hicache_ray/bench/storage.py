@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,7 +124,13 @@ class _RawMemory:
 
 
 class _RawRay:
-    """The ceiling of the ray backend: the same payloads in objects of the same size."""
+    """The ceiling of the ray backend: the same payloads in objects of the same size.
+
+    ``write`` is ``ray.put`` in this process. ``read`` is ``ray.get`` plus a one-thread
+    copy of objects another process put (any L3 read crosses processes: mapping another
+    process's fresh object costs page faults that re-reading one's own does not), made
+    before the timed read by a helper actor that owns them.
+    """
 
     def __init__(self, object_bytes: int) -> None:
         import ray
@@ -131,16 +138,31 @@ class _RawRay:
         self.ray = ray
         self.object_bytes = object_bytes
         self.stored: dict[str, tuple[object, int]] = {}
+        self.mine: list[object] = []
+        self.helper: Any = ray.remote(num_cpus=0)(_ForeignPuts).remote()
+
+    def _groups(self, payloads: list[memoryview]) -> list[list[int]]:
+        groups: list[list[int]] = [[]]
+        for i, payload in enumerate(payloads):
+            size = sum(payloads[j].nbytes for j in groups[-1])
+            if groups[-1] and size + payload.nbytes > self.object_bytes:
+                groups.append([])
+            groups[-1].append(i)
+        return groups
 
     def write(self, names: list[str], payloads: list[memoryview]) -> None:
-        group: list[int] = []
-        for i in range(len(names) + 1):
-            size = sum(payloads[j].nbytes for j in group)
-            if group and (i == len(names) or size + payloads[i].nbytes > self.object_bytes):
-                ref = self.ray.put([np.frombuffer(payloads[j], dtype=np.uint8) for j in group])
-                self.stored.update((names[j], (ref, k)) for k, j in enumerate(group))
-                group = []
-            group.append(i)
+        for group in self._groups(payloads):
+            self.mine.append(
+                self.ray.put([np.frombuffer(payloads[j], dtype=np.uint8) for j in group])
+            )
+
+    def stage(self, names: list[str], payloads: list[memoryview]) -> None:
+        """Objects of the same payloads put by the helper (untimed)."""
+        groups = self._groups(payloads)
+        arrays = [[np.frombuffer(payloads[j], dtype=np.uint8) for j in g] for g in groups]
+        refs = self.ray.get(self.helper.put.remote(arrays))[0]
+        for group, ref in zip(groups, refs, strict=True):
+            self.stored.update((names[j], (ref, k)) for k, j in enumerate(group))
 
     def read(self, names: list[str], outs: list[memoryview]) -> None:
         refs = list({id(self.stored[n][0]): self.stored[n][0] for n in names}.values())
@@ -153,6 +175,24 @@ class _RawRay:
 
     def clear(self) -> None:
         self.stored.clear()
+        self.mine.clear()
+        self.ray.get(self.helper.clear.remote())
+
+
+class _ForeignPuts:
+    """The helper actor of :class:`_RawRay`: puts (and so owns) objects for the driver."""
+
+    def __init__(self) -> None:
+        self.refs: list[object] = []
+
+    def put(self, groups: list[list[np.ndarray]]) -> list[list[object]]:
+        import ray
+
+        self.refs = [ray.put(group) for group in groups]
+        return [self.refs]  # nested: the driver gets the references, not the values
+
+    def clear(self) -> None:
+        self.refs = []
 
 
 def _backend_figures(
@@ -183,6 +223,8 @@ def _backend_figures(
     log(f"storage {name}: {opts.repeats} x {n} pages of {nbytes / n / 2**20:.2f} MiB")
     samples: dict[str, list[float]] = {k: [] for k in ("raw_put", "put", "raw_get", "get")}
     exists_us: list[float] = []
+    cold_us: list[float] = []  # ray: exists with nothing cached, beside one shard round trip
+    trip_us: list[float] = []
     try:
         for rep in range(opts.repeats + 1):  # repeat 0 warms up
             rec = samples if rep else {k: [] for k in samples}
@@ -191,6 +233,9 @@ def _backend_figures(
             names = [f"{rep}-{i}" for i in range(n)]
             time_into(partial(raw.write, names, payloads), rec["raw_put"])
             _timed_batch(backend.put, keys, pages, rec["put"])
+            if isinstance(raw, _RawRay):
+                raw.stage(names, payloads)
+                backend.flush()  # the shards' own copies are made: reads see them
             time_into(partial(raw.read, names, out_views), rec["raw_get"])
             _timed_batch(backend.get, keys, outs, rec["get"])
             if rep:
@@ -198,6 +243,8 @@ def _backend_figures(
                     start = time.perf_counter()
                     _check(backend.exists(keys[:128]), min(n, 128))
                     exists_us.append((time.perf_counter() - start) * 1e6)
+                if name == "ray":
+                    _cold_exists(backend, plan, keys[:128], opts.exists_repeats, cold_us, trip_us)
             assert all(torch.equal(a, b) for a, b in zip(pages, outs, strict=True))
             backend.delete(keys)
             raw.clear()
@@ -208,8 +255,20 @@ def _backend_figures(
     def gbps(key: str) -> float:
         return nbytes / statistics.median(samples[key]) / 1e9
 
-    get_target = {"file": 0.8, "ray": 0.7}.get(name)
-    put_target = 0.8 if name == "file" else None  # ray: two copies (see the README)
+    get_target = {"file": 0.8, "ray": 0.8}.get(name)
+    put_target = {"file": 0.8, "ray": 0.45}.get(name)
+    cold = []
+    if cold_us:
+        cold = [
+            figure(
+                f"storage.{name}.exists128_cold_us",
+                statistics.median(cold_us),
+                "us",
+                ceiling=statistics.median(trip_us),
+                target=1.5,
+                better="lower",
+            )
+        ]
     return [
         figure(
             f"storage.{name}.put.gbps",
@@ -229,10 +288,38 @@ def _backend_figures(
             f"storage.{name}.exists128_us",
             statistics.median(exists_us),
             "us",
-            target=100 if name == "file" else None,
+            target={"file": 100, "ray": 200}.get(name),
             better="lower",
         ),
+        *cold,
     ]
+
+
+def _cold_exists(
+    backend: StorageBackend,
+    plan: ShardPlan,
+    keys: list[str],
+    repeats: int,
+    cold_us: list[float],
+    trip_us: list[float],
+) -> None:
+    """``exists`` with no metadata cache (every key asked of the shards), interleaved with
+    the ceiling: one ``sizes`` call of the same keys to one shard (one round trip)."""
+    import ray
+
+    from hicache_ray.storage import PagedBackend
+
+    assert isinstance(backend, PagedBackend)
+    store: Any = backend.objects
+    cold = PagedBackend("ray", store, plan, metadata_ttl_s=0.0, scan_on_start=False)
+    shard = store.shard_handle(0)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ray.get(shard.sizes.remote(keys))
+        trip_us.append((time.perf_counter() - start) * 1e6)
+        start = time.perf_counter()
+        _check(cold.exists(keys), len(keys))
+        cold_us.append((time.perf_counter() - start) * 1e6)
 
 
 def _timed_batch(
@@ -296,6 +383,6 @@ def _run_backend(name: str, opts: StorageBenchOptions, log: Callable[[str], None
         return _backend_figures(name, opts, opts.root, log)
     finally:
         if name == "ray":
-            from actors.ray_store import clear_store
+            from actors.stores import drop_store
 
-            clear_store(RayStorageOptions(name=f"bench-{os.getpid()}"))
+            drop_store(f"bench-{os.getpid()}")

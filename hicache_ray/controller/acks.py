@@ -87,14 +87,17 @@ class Acknowledger:
         An ancestor without a backup is usually a piece of the same write that a later
         match split off. One without a completed host copy (under write_back, a parent still
         only on the device) is a gap: the node waits, and is backed up once that ancestor's
-        own backup succeeds.
+        own backup succeeds. An ancestor whose backup failed (a store outage) is tried
+        again, so backups resume with the writes that follow once the store is back; every
+        rank decides this from the same acknowledged writes.
         """
         tree = self._cache.tree
-        if node.host_pages is None or node.backup is not None or node.parent is None:
+        retry = (None, BACKUP_WAITING, BACKUP_FAILED)
+        if node.host_pages is None or node.backup not in retry or node.parent is None:
             return
         chain = []
         ancestor = node
-        while ancestor is not tree.root and ancestor.backup in (None, BACKUP_WAITING):
+        while ancestor is not tree.root and ancestor.backup in retry:
             if not ancestor.backuped:
                 node.backup = BACKUP_WAITING
                 self._stats.backup_skipped_gap += 1
@@ -103,9 +106,7 @@ class Acknowledger:
             assert ancestor.parent is not None
             ancestor = ancestor.parent
         parent_task = None if ancestor is tree.root else ancestor.backup
-        if parent_task is not None and not isinstance(parent_task, BackupTask):
-            self._stats.backup_skipped_gap += 1  # an ancestor's backup failed: a gap
-            return
+        assert parent_task is None or isinstance(parent_task, BackupTask)
         for n in reversed(chain):
             task = BackupTask(n, self._hashes(n), list(n.host_pages or ()), parent_task)
             n.backup = task

@@ -49,6 +49,7 @@ class ExperimentOptions:
     check: int = 4  # requests re-run from scratch for the exactness check
     seed: int = 0
     store: str = field(default_factory=lambda: f"run-{os.getpid()}")
+    keep_store: bool = False  # leave the run's ray store alive (else it is dropped at the end)
 
     def trace(self, rounds: int) -> Trace:
         model = preset(self.model)

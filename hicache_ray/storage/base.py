@@ -5,6 +5,11 @@ are contiguous CPU tensors (``[L, S, P, H, D]`` objects of a :class:`~hicache_ra
 keys come from the plan. Counts are of *leading* keys: a batch stops at the first key that
 is missing, unreadable or fails, so a caller never gets a prefix with holes.
 
+A caller's mistake (a key outside the key grammar, a buffer or page of the wrong dtype,
+shape, device or layout) raises ``ValueError`` before any I/O and never touches a stored
+page; only a fault in a stored object makes a miss (and deletes that object). A dead store
+fails a batch within about one store timeout, whatever the batch size.
+
 Every method is thread-safe: pipelines on different threads may call one backend at once.
 """
 
@@ -32,6 +37,8 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
         put_failures, get_failures: operations that raised in the filesystem / store.
         corrupt_pages: objects that failed verification (each was deleted, read as a miss).
         evicted_pages: objects removed by the byte budget.
+        refused_pages: buffers or pages a caller passed that did not match the plan
+            (wrong dtype, shape, device or layout; refused with ``ValueError``, no I/O).
     """
 
     backend: str
@@ -47,6 +54,7 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
     get_failures: int = 0
     corrupt_pages: int = 0
     evicted_pages: int = 0
+    refused_pages: int = 0
 
 
 class StorageBackend(ABC):
@@ -60,6 +68,9 @@ class StorageBackend(ABC):
 
         May answer from a metadata cache; a page reported present can still turn out
         missing or corrupt on :meth:`get`, which then returns a shorter count.
+
+        Raises:
+            ValueError: a key is not a ``str`` of the key grammar.
         """
 
     @abstractmethod
@@ -67,27 +78,40 @@ class StorageBackend(ABC):
         """Read leading pages into ``buffers`` (contiguous CPU tensors of each page's
         dtype and shape) and verify them; returns how many leading pages are valid.
 
-        Buffers past the returned count hold unspecified bytes. A page that fails
-        verification is deleted and counted in ``corrupt_pages``; it ends the batch.
-        Never raises for a missing, corrupt or unreadable page.
+        Buffers past the returned count hold their old bytes, or zeros where the store
+        wrote (never unverified bytes). A page that fails verification is deleted and
+        counted in ``corrupt_pages``; it ends the batch. Never raises for a missing,
+        corrupt or unreadable page.
+
+        Raises:
+            ValueError: a bad key, or a buffer that does not match its key's object in the
+                plan (nothing is read or deleted).
         """
 
     @abstractmethod
     def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
         """Store leading pages; returns how many leading pages are stored.
 
-        A key already present is not rewritten (its recency is refreshed). A write
-        failure (full disk, permissions, network) ends the batch and is counted; it does
-        not raise. Readers never see a partly written page.
+        A key already present is not rewritten (its recency is refreshed). A failed
+        lookup or write (full disk, permissions, network) ends the batch and is counted;
+        it does not raise. Readers never see a partly written page.
+
+        Raises:
+            ValueError: a bad key, or a page that does not match its key's object in the
+                plan (nothing is stored).
         """
 
     @abstractmethod
     def delete(self, keys: Sequence[str]) -> None:
-        """Remove ``keys``; absent keys are ignored."""
+        """Remove ``keys``; absent keys are ignored. Raises ``ValueError`` for a bad key."""
 
     @abstractmethod
     def stats(self) -> StorageStats:
         """A snapshot of the counters."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook, most backends write through
+        """Wait until the pages stored so far are as durable as this backend makes them
+        (the ``ray`` store: owned by its shards, so they outlive their writer)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release resources; safe to call twice."""

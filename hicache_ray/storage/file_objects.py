@@ -1,11 +1,18 @@
 """Page objects as files on any ``pyarrow.fs`` filesystem (local disk, S3, GCS, HDFS).
 
 Layout under the root: ``{root}/{key[:2]}/{key}`` (256 fan-out directories keep listings
-short). On a local filesystem a write goes to ``.tmp-{key}-{random}`` beside the target and
-is renamed into place, so a reader never opens a half-written page; on object stores a
-single PUT is already atomic and a rename would be a copy, so objects are written directly.
-Local reads stream the payload straight into the caller's buffer; remote reads fetch the
-whole object in one request.
+short). Keys are checked against the key grammar before they get here (no ``/``, no
+``..``), so a path never leaves the root. On a local filesystem a write goes to
+``.tmp-{key}-{random}`` beside the target and is renamed into place, so a reader never
+opens a half-written page; on object stores a single PUT is already atomic and a rename
+would be a copy, so objects are written directly. Local reads stream the payload straight
+into the caller's buffer; remote reads fetch the whole object in one request.
+
+Threading: ``read_many`` reads ``READ_AHEAD`` objects at once on this store's reader
+threads, each hashing what it read while it is still in cache, and returns them in key
+order, stopping at the first that is absent or fails; it returns only once no reader
+touches the caller's buffers. S3 requests are not retried and time out after
+``timeout_s``, so a batch against an unreachable endpoint fails within about one timeout.
 """
 
 from __future__ import annotations
@@ -13,15 +20,19 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from hicache_ray.storage.objects import ObjectStore, split_object
+from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome, split_object
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
     CorruptPage,
+    checksum,
     header_length,
 )
 
@@ -29,23 +40,34 @@ __all__ = ["FileObjects", "open_filesystem"]
 
 TMP_PREFIX = ".tmp-"
 HEAD_READ_BYTES = 4096  # frame prefix + header (a few hundred bytes) + payload start
+READ_AHEAD = 2  # objects one read_many reads at once
 
 
-def open_filesystem(root: str) -> tuple[pafs.FileSystem, str]:
-    """The filesystem and base path of a local directory or URI."""
+def open_filesystem(root: str, timeout_s: float = 5.0) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and base path of a local directory or URI (S3 with ``timeout_s``
+    request and connect timeouts and no retries)."""
     if "://" not in root:
         path = os.path.abspath(root)
         os.makedirs(path, exist_ok=True)
         return pafs.LocalFileSystem(), path
     fs, path = pafs.FileSystem.from_uri(root)
+    if isinstance(fs, pafs.S3FileSystem):
+        options: dict[str, Any] = fs.__reduce__()[1][0]  # the URI's options, as kwargs
+        options.update(
+            connect_timeout=timeout_s,
+            request_timeout=timeout_s,
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+        )
+        fs = pafs.S3FileSystem(**options)
     return fs, path.rstrip("/")
 
 
 class FileObjects(ObjectStore):
-    def __init__(self, root: str) -> None:
-        self.fs, self.base = open_filesystem(root)
+    def __init__(self, root: str, timeout_s: float = 5.0) -> None:
+        self.fs, self.base = open_filesystem(root, timeout_s)
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self._made_dirs: set[str] = set()  # fan-out dirs known to exist; set.add is atomic
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="hicache-file-read")
 
     def _dir(self, key: str) -> str:
         return f"{self.base}/{key[:2]}"
@@ -53,7 +75,76 @@ class FileObjects(ObjectStore):
     def _path(self, key: str) -> str:
         return f"{self.base}/{key[:2]}/{key}"
 
-    def write(self, key: str, header: bytes, payload: memoryview) -> None:
+    # ----------------------------------------------------------------- batches
+
+    def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
+        out: list[SizeOutcome] = []
+        for key in keys:
+            try:
+                info = self.fs.get_file_info(self._path(key))
+            except Exception as exc:
+                out.append(exc)
+                break
+            out.append(int(info.size) if info.type == pafs.FileType.File else None)
+            if out[-1] is None and leading:
+                break
+        return out
+
+    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+        jobs = iter(zip(keys, outs, strict=True))
+        running: deque[Future[ReadOutcome]] = deque()
+
+        def submit_next() -> None:
+            job = next(jobs, None)
+            if job is not None:
+                running.append(self._readers.submit(self._read_one, *job))
+
+        found: list[ReadOutcome] = []
+        try:
+            for _ in range(READ_AHEAD):
+                submit_next()
+            while running:
+                found.append(running.popleft().result())
+                if not isinstance(found[-1], tuple):
+                    break
+                submit_next()
+            return found
+        finally:
+            for read in running:
+                if not read.cancel():
+                    read.exception()  # wait: the reader may still be writing its buffer
+
+    def write_many(
+        self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
+    ) -> list[Exception | None]:
+        errors: list[Exception | None] = []
+        for key, header, payload in zip(keys, headers, payloads, strict=True):
+            try:
+                self._write(key, header, payload)
+            except Exception as exc:
+                errors.append(exc)
+                break
+            errors.append(None)
+        return errors
+
+    def remove_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._remove_quietly(self._path(key))
+
+    def scan(self) -> Iterator[tuple[str, int, float]]:
+        selector = pafs.FileSelector(self.base, recursive=True, allow_not_found=True)
+        for info in self.fs.get_file_info(selector):
+            if info.type != pafs.FileType.File or info.base_name.startswith(TMP_PREFIX):
+                continue
+            mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
+            yield info.base_name, int(info.size or 0), mtime
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True, cancel_futures=True)
+
+    # ----------------------------------------------------------------- one key
+
+    def _write(self, key: str, header: bytes, payload: memoryview) -> None:
         path = self._path(key)
         if not self.local:
             with self.fs.open_output_stream(path) as out:
@@ -74,50 +165,41 @@ class FileObjects(ObjectStore):
             self._remove_quietly(tmp)
             raise
 
-    def read(self, key: str, out: memoryview) -> tuple[bytes, str | None] | None:
+    def _read_one(self, key: str, out: memoryview) -> ReadOutcome:
+        """On a reader thread: one object into ``out``, hashed while still in cache."""
         try:
             if not self.local:
                 with self.fs.open_input_file(self._path(key)) as f:
                     return split_object(f.read(), out)
             with self.fs.open_input_file(self._path(key)) as f:
-                return self._read_local(f, out)
+                header = self._read_local(f, out)
+            return header, checksum(out)
         except FileNotFoundError:
             return None
+        except Exception as exc:  # CorruptPage, or an I/O error
+            return exc
 
     @staticmethod
-    def _read_local(f: pa.NativeFile, out: memoryview) -> tuple[bytes, None]:
-        # NOTE: not hashed here: the backend hashes this payload on its helper thread
-        # while this thread reads the next object (hashing inline cost ~20 % of reads).
-        # The frame, header and payload start come in one small read; a payload longer
-        # than ``out`` fails the header's payload_bytes check, a shorter one is caught here.
+    def _read_local(f: pa.NativeFile, out: memoryview) -> bytes:
+        # The frame, header and payload start come in one small read; a payload shorter
+        # or longer than ``out`` is corrupt (the header's payload_bytes is checked too).
         head = f.read(HEAD_READ_BYTES)
         start = PREFIX_BYTES + header_length(head)
         if len(head) < start:
             raise CorruptPage("object ended inside its header")
         got = min(len(head) - start, out.nbytes)
         out[:got] = head[start : start + got]
+        if len(head) - start > out.nbytes:
+            raise CorruptPage("object longer than its payload")
         while got < out.nbytes:
             n = f.readinto(out[got:])
             if n <= 0:
                 raise CorruptPage("object ended early")  # truncated, or shrank while read
             got += n
-        return bytes(head[PREFIX_BYTES:start]), None
-
-    def size(self, key: str) -> int | None:
-        info = self.fs.get_file_info(self._path(key))
-        return None if info.type != pafs.FileType.File else int(info.size)
-
-    def remove(self, key: str) -> None:
-        self._remove_quietly(self._path(key))
+        if f.read(1):
+            raise CorruptPage("object longer than its payload")
+        return bytes(head[PREFIX_BYTES:start])
 
     def _remove_quietly(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(path)
-
-    def scan(self) -> Iterator[tuple[str, int, float]]:
-        selector = pafs.FileSelector(self.base, recursive=True, allow_not_found=True)
-        for info in self.fs.get_file_info(selector):
-            if info.type != pafs.FileType.File or info.base_name.startswith(TMP_PREFIX):
-                continue
-            mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
-            yield info.base_name, int(info.size or 0), mtime

@@ -1,12 +1,15 @@
-"""Object stores: the dumb byte layer under a paged backend.
+"""Object stores: the dumb byte layer under the paged backend.
 
-An object store keeps framed page objects (see :mod:`page_format`) by key and knows
-nothing of namespaces, checksums or budgets; :class:`~hicache_ray.storage.paged.PagedBackend`
-adds those. Splitting the two lets one fault injector (:mod:`faults`) sit between them and
-corrupt, truncate, fail or delay real stored bytes for every backend alike.
+An object store keeps framed page objects (see :mod:`page_format`) by key and knows nothing
+of namespaces, checksums or budgets; :class:`~hicache_ray.storage.paged.PagedBackend` adds
+those. Splitting the two lets one fault injector (:mod:`faults`) sit between them and
+corrupt, truncate, fail or delay real stored bytes for every store alike.
 
-Methods are per key and thread-safe; a write is atomic (a reader sees the whole object or
-none of it).
+The interface is batch-only: a remote store answers a whole batch in one round trip, a
+filesystem reads ahead on its own threads, and every batch ends at its first failure, so a
+dead store costs one timeout per batch, not one per key. Keys reach a store only after the
+backend checked them against the key grammar. Every method is thread-safe; a write is
+atomic (a reader sees the whole object or none of it).
 """
 
 from __future__ import annotations
@@ -22,90 +25,55 @@ from hicache_ray.storage.page_format import (
     header_length,
 )
 
-__all__ = ["MemoryObjects", "ObjectStore", "ReadOutcome", "split_object"]
+__all__ = ["MemoryObjects", "ObjectStore", "ReadOutcome", "SizeOutcome", "split_object"]
 
-# One object's read: header and payload checksum (None: not hashed), an error, or absent.
+# One object's read: (header bytes, checksum of the payload as read, or None for "not
+# hashed: hash the buffer"), the error that ended the batch there, or None when absent.
 ReadOutcome = tuple[bytes, str | None] | Exception | None
+# One key's lookup: stored bytes, None when absent, or the error that ended the batch there.
+SizeOutcome = int | Exception | None
 
 
 class ObjectStore(ABC):
-    """A keyed store of framed page objects.
+    """A keyed store of framed page objects, called in batches.
 
-    ``parallel_reads``: whether a batch reads several objects at once (on reader threads);
-    false where reads are memory copies that one thread already saturates.
-    The ``*_many`` methods are what :class:`~hicache_ray.storage.batched.BatchedBackend`
-    calls: a remote store answers a whole batch in one round trip; the defaults loop over
-    the per-key methods.
+    Each ``*_many`` answers in key order and may stop after the first key that fails (the
+    answer is then shorter than ``keys`` and the failure is its last entry), never skip one
+    and go on; reads (and leading lookups) stop after the first absent key too.
     """
 
-    parallel_reads = True
+    @abstractmethod
+    def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
+        """Stored bytes of each key, None when absent; stops after the first failed key,
+        and with ``leading`` (what ``exists`` needs) after the first absent one too."""
 
     @abstractmethod
-    def write(self, key: str, header: bytes, payload: memoryview) -> None:
-        """Store ``header + payload`` under ``key`` atomically; raises ``OSError`` on failure."""
+    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+        """Read the leading objects, each payload into its ``out``; stops after the first
+        key that is absent or fails. A payload not exactly ``len(out)`` bytes long, or a
+        malformed frame, is a :class:`CorruptPage` in its place. Returns once nothing
+        touches ``outs`` any more."""
 
     @abstractmethod
-    def read(self, key: str, out: memoryview) -> tuple[bytes, str | None] | None:
-        """Read the object of ``key``: its payload into ``out``.
-
-        Returns the header bytes and the checksum of the payload as read (hashed on the
-        way in, see :mod:`page_format`) or None for "not hashed: hash ``out``" (the caller
-        then hashes it, possibly while the next read runs), or None when the key is
-        absent. Raises
-        :class:`CorruptPage` when the frame is malformed or the payload is not exactly
-        ``len(out)`` bytes; ``OSError`` on I/O errors.
-        """
+    def write_many(
+        self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
+    ) -> list[Exception | None]:
+        """Write ``header + payload`` under each key in order; None for each success,
+        stopping after the first failure (its error is the last entry)."""
 
     @abstractmethod
-    def size(self, key: str) -> int | None:
-        """Stored bytes of ``key``, or None when absent."""
-
-    @abstractmethod
-    def remove(self, key: str) -> None:
-        """Delete ``key``; absent keys are ignored."""
+    def remove_many(self, keys: Sequence[str]) -> None:
+        """Delete ``keys``; absent keys are ignored. Raises on I/O errors."""
 
     @abstractmethod
     def scan(self) -> Iterator[tuple[str, int, float]]:
         """``(key, bytes, modification time)`` of every stored object."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def flush(self) -> None:  # noqa: B027 - optional hook, most stores write through
+        """Wait until what was written so far is as durable as this store makes it."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release resources; safe to call twice."""
-
-    def size_many(self, keys: Sequence[str]) -> list[int | Exception | None]:
-        """:meth:`size` of each key; an exception in place of a size when its lookup failed."""
-        out: list[int | Exception | None] = []
-        for key in keys:
-            try:
-                out.append(self.size(key))
-            except Exception as exc:
-                out.append(exc)
-        return out
-
-    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
-        """:meth:`read` of leading keys into ``outs``; may stop after the first key that is
-        absent or fails (the list is then shorter than ``keys``)."""
-        found: list[ReadOutcome] = []
-        for key, out in zip(keys, outs, strict=True):
-            try:
-                found.append(self.read(key, out))
-            except Exception as exc:
-                found.append(exc)
-            if not isinstance(found[-1], tuple):
-                break
-        return found
-
-    def write_many(
-        self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
-    ) -> list[Exception | None]:
-        """:meth:`write` of each key; the error of each failed write, None for success."""
-        errors: list[Exception | None] = []
-        for key, header, payload in zip(keys, headers, payloads, strict=True):
-            try:
-                self.write(key, header, payload)
-                errors.append(None)
-            except Exception as exc:
-                errors.append(exc)
-        return errors
 
 
 def split_object(data: bytes | memoryview, out: memoryview) -> tuple[bytes, str]:
@@ -121,33 +89,51 @@ def split_object(data: bytes | memoryview, out: memoryview) -> tuple[bytes, str]
 class MemoryObjects(ObjectStore):
     """Objects in a dict of this process (tests, single-process runs)."""
 
-    parallel_reads = False  # a copy: a second thread only adds overhead
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # guarded by _lock: key -> (framed object, logical modification time)
         self._objects: dict[str, tuple[bytes, int]] = {}
         self._clock = 0  # guarded by _lock
 
-    def write(self, key: str, header: bytes, payload: memoryview) -> None:
-        data = header + payload  # one copy: the caller's buffer may be reused
+    def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
+        out: list[SizeOutcome] = []
         with self._lock:
-            self._clock += 1
-            self._objects[key] = (data, self._clock)
+            for key in keys:
+                found = self._objects.get(key)
+                out.append(None if found is None else len(found[0]))
+                if found is None and leading:
+                    break
+        return out
 
-    def read(self, key: str, out: memoryview) -> tuple[bytes, str] | None:
-        with self._lock:
-            found = self._objects.get(key)
-        return None if found is None else split_object(found[0], out)
+    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+        found: list[ReadOutcome] = []
+        for key, out in zip(keys, outs, strict=True):
+            with self._lock:
+                entry = self._objects.get(key)
+            if entry is None:
+                found.append(None)
+                break
+            try:
+                found.append(split_object(entry[0], out))
+            except CorruptPage as exc:
+                found.append(exc)
+                break
+        return found
 
-    def size(self, key: str) -> int | None:
-        with self._lock:
-            found = self._objects.get(key)
-        return None if found is None else len(found[0])
+    def write_many(
+        self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
+    ) -> list[Exception | None]:
+        for key, header, payload in zip(keys, headers, payloads, strict=True):
+            data = header + payload  # one copy: the caller's buffer may be reused
+            with self._lock:
+                self._clock += 1
+                self._objects[key] = (data, self._clock)
+        return [None] * len(keys)
 
-    def remove(self, key: str) -> None:
+    def remove_many(self, keys: Sequence[str]) -> None:
         with self._lock:
-            self._objects.pop(key, None)
+            for key in keys:
+                self._objects.pop(key, None)
 
     def scan(self) -> Iterator[tuple[str, int, float]]:
         with self._lock:

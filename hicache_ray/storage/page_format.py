@@ -39,6 +39,7 @@ __all__ = [
     "checksum",
     "copy_hashed",
     "encode_header",
+    "framed_size",
     "header_length",
     "payload_view",
     "verify",
@@ -70,7 +71,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(PageHeader)
 
 
-CHUNK_BYTES = 256 * 1024
+CHUNK_BYTES = 512 * 1024
 
 
 def checksum(payload: memoryview | bytes) -> str:
@@ -91,8 +92,11 @@ def copy_hashed(src: memoryview, out: memoryview) -> str:
     return h.hexdigest()
 
 
-def encode_header(key: str, namespace: str, page: torch.Tensor, payload: memoryview) -> bytes:
-    """The frame prefix and header of ``page`` (its payload goes after, unchanged)."""
+def encode_header(
+    key: str, namespace: str, page: torch.Tensor, payload: memoryview, digest: str | None = None
+) -> bytes:
+    """The frame prefix and header of ``page`` (its payload goes after, unchanged); the
+    payload's checksum is computed unless given as ``digest``."""
     header = PageHeader(
         format_version=FORMAT_VERSION,
         namespace=namespace,
@@ -100,10 +104,19 @@ def encode_header(key: str, namespace: str, page: torch.Tensor, payload: memoryv
         dtype=_DTYPE_NAMES[page.dtype],
         shape=tuple(page.shape),
         payload_bytes=payload.nbytes,
-        checksum=checksum(payload),
+        checksum=checksum(payload) if digest is None else digest,
     )
     body = _encoder.encode(header)
     return _PREFIX.pack(MAGIC, len(body)) + body
+
+
+_CHECKSUM_CHARS = 32  # XXH3-128 in hex
+
+
+def framed_size(key: str, namespace: str, page: torch.Tensor, payload: memoryview) -> int:
+    """Bytes of the object ``encode_header`` + payload make, without hashing the payload
+    (a checksum is always 32 hex characters)."""
+    return len(encode_header(key, namespace, page, payload, "0" * _CHECKSUM_CHARS)) + payload.nbytes
 
 
 def header_length(prefix: bytes | memoryview) -> int:

@@ -1,18 +1,26 @@
-"""A storage backend over an object store: verification, byte budget, metadata cache.
+"""The storage backend over an object store: trust at the edge, verification, budget, cache.
 
-Threading: every public method may run on any thread. Helper threads, started here and
-stopped in :meth:`PagedBackend.close`: ``_hasher`` makes page headers ahead of the writes;
-``_readers`` (``READ_AHEAD`` threads) read and hash objects ahead of the caller, who
-verifies and counts them in key order (stores whose reads are plain memory copies read on
-the caller's thread). ``_lock`` guards the metadata (``_meta``, ``_used_bytes``) and the
+What is checked where:
+
+* **The caller's input** (every method): keys must be ``str`` of the key grammar
+  (:func:`~hicache_ray.keys.check_keys`), so none can name a path outside the store; the
+  buffers of ``get`` and the pages of ``put`` must be contiguous CPU tensors of exactly the
+  dtype and shape the plan gives their key. A mismatch is the caller's mistake: a
+  ``ValueError`` naming what was expected and what came, raised before any I/O, counted in
+  ``refused_pages``; nothing is read, written or deleted.
+* **The stored object** (``get``): frame, format version, namespace digest, key, dtype,
+  shape, payload length and checksum (:func:`~hicache_ray.storage.page_format.verify`).
+  Only a fault there makes a miss: the object is deleted and counted in ``corrupt_pages``.
+  A page that fails ends the batch; every buffer the store wrote past the returned count is
+  zero-filled before ``get`` returns, so no unverified byte is left in a caller's buffer
+  (prefetches read into host-pool slots).
+
+Threading: every public method may run on any thread. ``_lock`` guards the index and the
 counters; object I/O runs outside it, so pipelines on several threads read and write in
-parallel. Eviction picks victims under the lock (they leave the metadata at once) and
-deletes them outside it.
-
-Byte budget: a put reserves its bytes first, evicting least recently used pages until the
-reservation fits; a failed write gives the reservation back. Metadata cache: a page known
-to exist is trusted for ``metadata_ttl_s`` before ``exists`` asks the store again; absence
-is never cached, so pages other ranks write show up at once.
+parallel. ``_hasher`` makes page headers (with their checksums) ahead of the writes.
+Eviction picks victims under the lock (they leave the index at once) and deletes them
+outside it. Batches end at their first failed lookup, read or write, so a dead store costs
+one store timeout per batch.
 """
 
 from __future__ import annotations
@@ -20,42 +28,58 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import overload
 
 import torch
 
-from hicache_ray.keys import ShardPlan
+from hicache_ray.keys import ShardPlan, check_keys
 from hicache_ray.storage.base import StorageBackend, StorageStats
-from hicache_ray.storage.objects import ObjectStore
+from hicache_ray.storage.index import PageIndex
+from hicache_ray.storage.objects import ObjectStore, ReadOutcome
 from hicache_ray.storage.page_format import (
     CorruptPage,
     checksum,
     encode_header,
+    framed_size,
     payload_view,
     verify,
 )
 
-__all__ = ["HashedRead", "PagedBackend", "make_header"]
+__all__ = ["PagedBackend", "make_header"]
 
 log = logging.getLogger(__name__)
 
-READ_AHEAD = 2  # objects read at once by one get (reader threads)
-# A verified-to-be read: header and payload checksum; an error; absent.
-HashedRead = tuple[bytes, str] | Exception | None
+_COUNTERS = tuple(
+    f
+    for f in StorageStats.__struct_fields__
+    if f not in ("backend", "num_objects", "stored_bytes", "capacity_bytes")
+)
 
 
-class _Entry:
-    __slots__ = ("checked_at", "num_bytes")
+class _Headers(Sequence[bytes]):
+    """Headers made on a helper thread, waited for one by one as the store writes them,
+    so hashing page i + 1 overlaps writing page i."""
 
-    def __init__(self, num_bytes: int, checked_at: float) -> None:
-        self.num_bytes = num_bytes
-        self.checked_at = checked_at
+    def __init__(self, futures: list[Future[bytes]]) -> None:
+        self._futures = futures
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            return _Headers(self._futures[i])
+        return self._futures[i].result()
 
 
 class PagedBackend(StorageBackend):
-    """Verified pages of one namespace in an :class:`ObjectStore`."""
+    """Verified pages of one namespace in an :class:`ObjectStore` (see the module docstring)."""
 
     def __init__(
         self,
@@ -72,278 +96,295 @@ class PagedBackend(StorageBackend):
         self.objects = objects
         self.plan = plan
         self.capacity_bytes = capacity_bytes
-        self.metadata_ttl_s = metadata_ttl_s
         self._clock = clock
         self._digest = plan.digest
         self._lock = threading.Lock()
-        self._meta: OrderedDict[str, _Entry] = OrderedDict()  # guarded by _lock; LRU first
-        self._used_bytes = 0  # guarded by _lock: known objects plus reservations
-        self._counts: dict[str, int] = dict.fromkeys(  # guarded by _lock
-            (f for f in StorageStats.__struct_fields__ if f not in _DERIVED), 0
-        )
+        self._index = PageIndex(capacity_bytes, metadata_ttl_s)  # guarded by _lock
+        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)  # guarded by _lock
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"hicache-{name}-hash")
-        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix=f"hicache-{name}-read")
         if scan_on_start:
             self._scan()
 
     # ------------------------------------------------------------------ interface
 
     def exists(self, keys: Sequence[str]) -> int:
-        now, ttl, i = self._clock(), self.metadata_ttl_s, 0
-        while i < len(keys):
-            with self._lock:  # one acquisition for the whole run of cached keys
-                meta = self._meta
-                while i < len(keys):
-                    entry = meta.get(keys[i])
-                    if entry is None or now - entry.checked_at >= ttl:
-                        break
-                    i += 1
-            if i == len(keys):
-                break
-            found = self._lookup(keys[i], now)
-            if not found:
-                if found is None:
-                    self._count("get_failures")
-                return i
-            i += 1
-        return len(keys)
+        check_keys(keys)
+        now = self._clock()
+        with self._lock:
+            i = 0
+            while i < len(keys) and self._index.fresh(keys[i], now):
+                i += 1
+        if i == len(keys):
+            return i
+        try:
+            sizes = self.objects.size_many(keys[i:])
+        except Exception as exc:  # an unreachable store is a miss, never an error
+            sizes = [exc]
+        with self._lock:
+            for key, size in zip(keys[i:], sizes, strict=False):
+                if isinstance(size, Exception):
+                    log.warning("storage %s: looking up %s failed: %s", self.name, key, size)
+                    self._counts["get_failures"] += 1
+                    return i
+                if size is None:
+                    self._index.forget(key)
+                    return i
+                self._index.remember(key, size, now)
+                i += 1
+        return i
 
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
-        if len(keys) != len(buffers):
-            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        # NOTE: READ_AHEAD objects are read (and hashed) at once on the reader threads;
-        # this thread verifies and counts them in order, so the batch still stops at the
-        # first page that fails, and returns only once no reader touches its buffers.
-        if not self.objects.parallel_reads:
-            for i, job in enumerate(zip(keys, buffers, strict=True)):
-                if not self._accept(*job, self._read_one(*job)):
-                    return i
-            return len(keys)
-        jobs = iter(zip(keys, buffers, strict=True))
-        running: deque[Future[HashedRead]] = deque()
-
-        def submit_next() -> None:
-            job = next(jobs, None)
-            if job is not None:
-                running.append(self._readers.submit(self._read_one, *job))
-
+        self._check_tensors("buffer", keys, buffers)
+        outs = [payload_view(b) for b in buffers]
         try:
-            for _ in range(READ_AHEAD):
-                submit_next()
-            i = 0
-            while running:
-                outcome = running.popleft().result()
-                if not self._accept(keys[i], buffers[i], outcome):
-                    return i
-                i += 1
-                submit_next()
-            return len(keys)
+            outcomes = self.objects.read_many(keys, outs)
+        except Exception as exc:  # the store is unreachable: a miss, never an error
+            outcomes = [exc] * len(keys)  # whatever it wrote before failing is zeroed below
+        done = len(outcomes)
+        for i, outcome in enumerate(outcomes):
+            if not self._accept(keys[i], buffers[i], outs[i], outcome):
+                done = i
+                if isinstance(outcome, Exception) and not isinstance(outcome, CorruptPage):
+                    # The store failed (a shard restarting, a network error): what the
+                    # metadata cache says of the rest of the batch is in doubt too.
+                    with self._lock:
+                        for key in keys[i:]:
+                            self._index.forget(key)
+                break
+        for buf in buffers[done : len(outcomes)]:
+            buf.zero_()  # the store wrote there, and nothing there is verified
+        return min(done, len(keys))
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+        self._check_tensors("page", keys, pages)
+        known = self._present(keys)
+        # Keys before a failed lookup are known present or absent; the batch ends there.
+        new = [i for i in range(len(known)) if known[i] is False]
+        with self._lock:
+            for i in range(len(known)):
+                if known[i]:
+                    self._index.touch(keys[i])
+                    self._counts["put_skipped"] += 1
+        payloads = [payload_view(pages[i]) for i in new]
+        futures = [
+            self._hasher.submit(encode_header, keys[i], self._digest, pages[i], payload)
+            for i, payload in zip(new, payloads, strict=True)
+        ]
+        sizes = [
+            framed_size(keys[i], self._digest, pages[i], payload)
+            for i, payload in zip(new, payloads, strict=True)
+        ]
+        reserved = self._reserve(sizes)
+        try:
+            errors = self.objects.write_many(
+                [keys[i] for i in new[:reserved]],
+                _Headers(futures[:reserved]),
+                payloads[:reserved],
+            )
+        except Exception as exc:  # the store is unreachable: nothing written
+            errors = [exc]
         finally:
-            for read in running:
-                if not read.cancel():
-                    read.exception()  # wait: the reader may still be writing its buffer
+            for future in futures:
+                future.cancel()
+        stored = self._settle_writes(keys, new, sizes, payloads, reserved, errors)
+        return min(stored, len(known))
 
-    def _read_one(self, key: str, buf: torch.Tensor) -> HashedRead:
-        """On a reader thread: read one object into ``buf`` and hash its payload."""
-        out = payload_view(buf)
-        try:
-            found = self.objects.read(key, out)
-        except Exception as exc:  # CorruptPage, or an I/O error
-            return exc
-        if found is None:
-            return None
-        header, digest = found
-        return header, digest if digest is not None else checksum(out)
+    def delete(self, keys: Sequence[str]) -> None:
+        check_keys(keys)
+        with self._lock:
+            for key in keys:
+                self._index.forget(key)
+        self._remove(list(keys))
 
-    def _accept(self, key: str, buf: torch.Tensor, outcome: HashedRead) -> bool:
+    def stats(self) -> StorageStats:
+        with self._lock:
+            return StorageStats(
+                backend=self.name,
+                num_objects=len(self._index),
+                stored_bytes=self._index.stored_bytes,
+                capacity_bytes=self.capacity_bytes,
+                **self._counts,
+            )
+
+    def flush(self) -> None:
+        self.objects.flush()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._hasher.shutdown(wait=True, cancel_futures=True)
+            self.objects.close()
+
+    def check_integrity(self) -> None:
+        """The index's accounting holds (no reservation is outstanding when idle)."""
+        with self._lock:
+            self._index.check_integrity()
+            assert self._index.reserved_bytes == 0, "a reservation outlived its put"
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_tensors(
+        self, what: str, keys: Sequence[str], tensors: Sequence[torch.Tensor]
+    ) -> None:
+        """The caller's keys and buffers (or pages) against the plan, before any I/O."""
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} {what}s")
+        check_keys(keys)
+        dtype = self.plan_dtype
+        for i, (key, t) in enumerate(zip(keys, tensors, strict=True)):
+            spec = self.plan.spec_of(key)
+            problem = None
+            if spec is None:
+                problem = f"key {key} is not one of this rank's objects ({self.plan.tag})"
+            elif not isinstance(t, torch.Tensor):
+                problem = f"expected a tensor, got {type(t).__name__}"
+            elif t.dtype != dtype or tuple(t.shape) != spec.shape:
+                problem = f"expected {dtype}{list(spec.shape)}, got {t.dtype}{list(t.shape)}"
+            elif t.device.type != "cpu" or not t.is_contiguous():
+                problem = f"expected a contiguous CPU tensor, got one on {t.device}"
+                if t.device.type == "cpu":
+                    problem = "expected a contiguous tensor, got a strided view"
+            if problem is not None:
+                with self._lock:
+                    self._counts["refused_pages"] += 1
+                raise ValueError(f"storage {self.name}: {what} {i} for {key}: {problem}")
+
+    @property
+    def plan_dtype(self) -> torch.dtype:
+        from hicache_ray.layout import DTYPES
+
+        return DTYPES[self.plan.namespace.dtype]
+
+    # ------------------------------------------------------------------ reads
+
+    def _accept(self, key: str, buf: torch.Tensor, out: memoryview, outcome: ReadOutcome) -> bool:
         """Verify a read page and count it; else handle the miss, failure or corruption."""
         if outcome is None:
             with self._lock:
-                self._forget(key)
+                self._index.forget(key)
             return False
         if isinstance(outcome, Exception):
             if isinstance(outcome, CorruptPage):
                 self._drop_corrupt(key, outcome)
             else:
                 log.warning("storage %s: reading %s failed: %s", self.name, key, outcome)
-                self._count("get_failures")
+                with self._lock:
+                    self._counts["get_failures"] += 1
             return False
+        header, digest = outcome
         try:
-            verify(outcome[0], key, self._digest, buf, outcome[1])
+            verify(header, key, self._digest, buf, digest if digest is not None else checksum(out))
         except CorruptPage as exc:
             self._drop_corrupt(key, exc)
             return False
         with self._lock:
-            if key in self._meta:
-                self._meta.move_to_end(key)
+            self._index.touch(key)
             self._counts["get_pages"] += 1
-            self._counts["get_bytes"] += buf.numel() * buf.element_size()
+            self._counts["get_bytes"] += out.nbytes
         return True
-
-    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
-        now = self._clock()
-        new = [not self._lookup(key, now) for key in keys]  # a failed lookup: write anyway
-        # NOTE: headers (with the payload checksum) are made on a helper thread ahead of
-        # the writes, so hashing page i + 1 overlaps writing page i.
-        headers = [
-            self._hasher.submit(make_header, key, self._digest, page) if is_new else None
-            for key, page, is_new in zip(keys, pages, new, strict=True)
-        ]
-        try:
-            for i, (key, header) in enumerate(zip(keys, headers, strict=True)):
-                if header is None:
-                    with self._lock:
-                        if key in self._meta:
-                            self._meta.move_to_end(key)
-                        self._counts["put_skipped"] += 1
-                    continue
-                if not self._write(key, *header.result()):
-                    return i
-        finally:
-            for header in headers:
-                if header is not None:
-                    header.cancel()
-        return len(keys)
-
-    def _write(self, key: str, header: bytes, payload: memoryview) -> bool:
-        size = len(header) + payload.nbytes
-        victims = self._reserve(size)
-        if victims is None:
-            self._refuse_oversized(size)
-            return False
-        self._remove_objects(victims)
-        try:
-            self.objects.write(key, header, payload)
-        except Exception as exc:
-            log.warning("storage %s: writing %s failed: %s", self.name, key, exc)
-            with self._lock:
-                self._used_bytes -= size
-                self._counts["put_failures"] += 1
-            return False
-        with self._lock:
-            self._used_bytes -= size  # the reservation becomes the entry
-            self._remember(key, size, self._clock())
-            self._counts["put_pages"] += 1
-            self._counts["put_bytes"] += payload.nbytes
-        return True
-
-    def delete(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            for key in keys:
-                self._forget(key)
-        self._remove_objects(list(keys))
-
-    def stats(self) -> StorageStats:
-        with self._lock:
-            return StorageStats(
-                backend=self.name,
-                num_objects=len(self._meta),
-                stored_bytes=sum(e.num_bytes for e in self._meta.values()),
-                capacity_bytes=self.capacity_bytes,
-                **self._counts,
-            )
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._hasher.shutdown(wait=True, cancel_futures=True)
-            self._readers.shutdown(wait=True, cancel_futures=True)
-            self.objects.close()
-
-    def check_integrity(self) -> None:
-        """Known bytes equal the sum of entries (no reservation outstanding when idle)."""
-        with self._lock:
-            total = sum(e.num_bytes for e in self._meta.values())
-            assert self._used_bytes == total, f"used {self._used_bytes} != entries {total}"
-            assert not self.capacity_bytes or total <= self.capacity_bytes, "over capacity"
-
-    # ------------------------------------------------------------------ internals
-
-    def _lookup(self, key: str, now: float) -> bool | None:
-        """Whether ``key`` is stored (cached for the TTL); None when the store failed."""
-        with self._lock:
-            entry = self._meta.get(key)
-            if entry is not None and now - entry.checked_at < self.metadata_ttl_s:
-                return True
-        try:
-            size = self.objects.size(key)
-        except Exception as exc:  # an unreachable store is a miss, never an error
-            log.warning("storage %s: looking up %s failed: %s", self.name, key, exc)
-            return None
-        with self._lock:
-            if size is None:
-                self._forget(key)
-                return False
-            self._remember(key, size, now)
-            return True
-
-    def _refuse_oversized(self, size: int) -> None:
-        log.warning(
-            "storage %s: a %d-byte page does not fit capacity_bytes=%d",
-            self.name,
-            size,
-            self.capacity_bytes,
-        )
-        self._count("put_failures")
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
-
-    def _remember(self, key: str, size: int, now: float) -> None:
-        """Record ``key`` as present (caller holds ``_lock``)."""
-        entry = self._meta.get(key)
-        if entry is None:
-            self._meta[key] = _Entry(size, now)
-            self._used_bytes += size
-        else:
-            self._used_bytes += size - entry.num_bytes
-            entry.num_bytes, entry.checked_at = size, now
-            self._meta.move_to_end(key)
-
-    def _forget(self, key: str) -> None:
-        """Drop ``key`` from the metadata (caller holds ``_lock``)."""
-        entry = self._meta.pop(key, None)
-        if entry is not None:
-            self._used_bytes -= entry.num_bytes
-
-    def _reserve(self, size: int) -> list[str] | None:
-        """Reserve ``size`` bytes; returns the evicted keys, or None when it cannot fit."""
-        with self._lock:
-            if not self.capacity_bytes:
-                self._used_bytes += size
-                return []
-            if size > self.capacity_bytes:
-                return None
-            victims = []
-            while self._used_bytes + size > self.capacity_bytes and self._meta:
-                key, entry = self._meta.popitem(last=False)
-                self._used_bytes -= entry.num_bytes
-                victims.append(key)
-            if self._used_bytes + size > self.capacity_bytes:  # reservations in flight
-                return None
-            self._used_bytes += size
-            self._counts["evicted_pages"] += len(victims)
-            return victims
-
-    def _remove_objects(self, keys: list[str]) -> None:
-        for key in keys:
-            try:
-                self.objects.remove(key)
-            except Exception as exc:
-                log.warning("storage %s: deleting %s failed: %s", self.name, key, exc)
 
     def _drop_corrupt(self, key: str, exc: CorruptPage) -> None:
         log.warning(
             "storage %s: page %s failed verification (%s); deleting it", self.name, key, exc
         )
         with self._lock:
-            self._forget(key)
+            self._index.forget(key)
             self._counts["corrupt_pages"] += 1
-        self._remove_objects([key])
+        self._remove([key])
+
+    # ------------------------------------------------------------------ writes
+
+    def _present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored (cached answers within the TTL, the rest asked in
+        one call); shorter than ``keys`` when a lookup failed (the batch ends there)."""
+        now = self._clock()
+        found: list[bool] = [False] * len(keys)
+        with self._lock:
+            ask = [i for i, key in enumerate(keys) if not self._index.fresh(key, now)]
+        asked = set(ask)
+        for i in range(len(keys)):
+            found[i] = i not in asked
+        if not ask:
+            return found
+        try:
+            sizes = self.objects.size_many([keys[i] for i in ask], leading=False)
+        except Exception as exc:
+            sizes = [exc]
+        with self._lock:
+            for i, size in zip(ask, sizes, strict=False):
+                if isinstance(size, Exception):
+                    log.warning("storage %s: looking up %s failed: %s", self.name, keys[i], size)
+                    self._counts["put_failures"] += 1
+                    return found[:i]
+                if size is None:
+                    self._index.forget(keys[i])
+                else:
+                    self._index.remember(keys[i], size, now)
+                    found[i] = True
+        if len(sizes) < len(ask):  # the store stopped early without saying why
+            return found[: ask[len(sizes)]]
+        return found
+
+    def _reserve(self, sizes: list[int]) -> int:
+        """Reserve room for each new page in key order; returns how many got room (a page
+        that cannot fit ends the batch). Deletes the pages evicted for them."""
+        reserved = 0
+        for size in sizes:
+            with self._lock:
+                victims = self._index.reserve(size)
+                if victims is None:
+                    self._counts["put_failures"] += 1
+                else:
+                    self._counts["evicted_pages"] += len(victims)
+            if victims is None:
+                log.warning(
+                    "storage %s: a %d-byte page does not fit capacity_bytes=%d",
+                    self.name,
+                    size,
+                    self.capacity_bytes,
+                )
+                break
+            self._remove(victims)
+            reserved += 1
+        return reserved
+
+    def _settle_writes(
+        self,
+        keys: Sequence[str],
+        new: list[int],
+        sizes: list[int],
+        payloads: list[memoryview],
+        reserved: int,
+        errors: list[Exception | None],
+    ) -> int:
+        """Turn reservations into entries (or give them back); the leading pages stored."""
+        stored = new[reserved] if reserved < len(new) else len(keys)
+        now = self._clock()
+        with self._lock:
+            for j in range(reserved):
+                error = errors[j] if j < len(errors) else OSError("not written")
+                if error is None:
+                    self._index.commit(keys[new[j]], sizes[j], sizes[j], now)
+                    self._counts["put_pages"] += 1
+                    self._counts["put_bytes"] += payloads[j].nbytes
+                    continue
+                self._index.release(sizes[j])
+                if j < len(errors):
+                    self._counts["put_failures"] += 1
+                    log.warning("storage %s: writing %s failed: %s", self.name, keys[new[j]], error)
+                stored = min(stored, new[j])
+        return stored
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _remove(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        try:
+            self.objects.remove_many(keys)
+        except Exception as exc:
+            log.warning("storage %s: deleting %d pages failed: %s", self.name, len(keys), exc)
 
     def _scan(self) -> None:
         found = sorted(
@@ -352,8 +393,9 @@ class PagedBackend(StorageBackend):
         now = self._clock()
         with self._lock:
             for _, key, size in found:
-                self._remember(key, size, now)
-        self._remove_objects(self._reserve(0) or [])  # reserving nothing evicts down to budget
+                self._index.remember(key, size, now)
+            victims = self._index.evict_to(self.capacity_bytes) if self.capacity_bytes else []
+        self._remove(victims)
         log.info("storage %s: found %d pages of this namespace", self.name, len(found))
 
 
@@ -361,6 +403,3 @@ def make_header(key: str, digest: str, page: torch.Tensor) -> tuple[bytes, memor
     """The framed header of ``page`` (with its payload checksum) and its payload view."""
     payload = payload_view(page)
     return encode_header(key, digest, page, payload), payload
-
-
-_DERIVED = ("backend", "num_objects", "stored_bytes", "capacity_bytes")

@@ -97,7 +97,7 @@ def _file(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
     opts = config.file
     return PagedBackend(
         "file",
-        with_faults(config, FileObjects(opts.root)),
+        with_faults(config, FileObjects(opts.root, opts.timeout_s)),
         plan,
         capacity_bytes=opts.capacity_bytes,
         metadata_ttl_s=opts.metadata_ttl_s,

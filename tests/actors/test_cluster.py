@@ -66,7 +66,7 @@ def test_stages_land_one_tp_group_per_gpu_node(cluster: Any) -> None:
         assert result.output_tokens == recompute(tokens, 6)
     finally:
         deployment.shutdown()
-        actors.clear_store(cache_config(store).storage.ray)
+        actors.drop_store(store)
 
 
 @ray.remote(num_cpus=0)
@@ -108,7 +108,7 @@ def test_pages_written_on_one_node_are_read_on_another(cluster: Any) -> None:
         other = _Client.options(resources={"node1": 0.01}).remote(options)
         assert ray.get(other.read_back.remote(12))
     finally:
-        actors.clear_store(options)
+        actors.drop_store(options.name)
 
 
 def test_a_removed_node_makes_its_pages_misses_and_the_store_recovers(cluster: Any) -> None:
@@ -131,4 +131,4 @@ def test_a_removed_node_makes_its_pages_misses_and_the_store_recovers(cluster: A
         wait_until(lambda: ray.get(reader.put.remote(12)) == 12, timeout_s=120, what="recovery")
         assert ray.get(reader.read_back.remote(12))
     finally:
-        actors.clear_store(options)
+        actors.drop_store(options.name)

@@ -23,7 +23,7 @@ def store() -> Iterator[str]:
     name = store_name()
     yield name
     if ray.is_initialized():
-        actors.clear_store(cache_config(name).storage.ray)
+        actors.drop_store(name)
 
 
 @pytest.fixture(scope="module")

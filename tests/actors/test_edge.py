@@ -141,7 +141,7 @@ def test_faults_during_recovery_never_break_the_deployment(
         assert later.output_tokens == recompute(tokens, 2)
     finally:
         deployment.shutdown()
-        actors.clear_store(cache_config(store).storage.ray)
+        actors.drop_store(store)
 
 
 def test_a_broken_deployment_says_so_and_heals_on_the_next_call(ray_local: None) -> None:
@@ -220,4 +220,4 @@ def test_requests_waiting_on_a_slow_l3_do_not_spin_the_ranks(ray_local: None) ->
         assert max(steps) <= waited / 0.02 + 20, (steps, waited)
     finally:
         reader.shutdown()
-        actors.clear_store(base.storage.ray)
+        actors.drop_store(store)

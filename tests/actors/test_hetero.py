@@ -49,7 +49,7 @@ def launch(ray_local: None) -> Iterator[Any]:
 def store(ray_local: None) -> Iterator[str]:
     name = store_name()
     yield name
-    actors.clear_store(cache_config(name).storage.ray)
+    actors.drop_store(name)
 
 
 def _continue(first: Any, second: Any, seed: int) -> tuple[list[int], Any]:

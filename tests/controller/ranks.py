@@ -121,7 +121,7 @@ def run_scenario(
         plan = plan_shard(kv, config)
         for h in page_hashes(tokens, PAGE)[spec["delete_from"] :]:
             for key in plan.keys(h):
-                objects.remove(key)
+                objects.remove_many([key])
     reader = make_controller(
         config,
         kv,

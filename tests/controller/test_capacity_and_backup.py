@@ -26,24 +26,42 @@ KV = make_kv(page_size=PAGE)
 def stored_pages(objects: MemoryObjects, tokens: list[int]) -> list[bool]:
     plan = plan_shard(KV, controller_config())
     return [
-        all(objects.size(k) is not None for k in plan.keys(h)) for h in page_hashes(tokens, PAGE)
+        all(objects.size_many([k]) != [None] for k in plan.keys(h))
+        for h in page_hashes(tokens, PAGE)
     ]
 
 
 def test_failed_backup_stops_at_the_first_failure_and_leaves_no_holes() -> None:
     objects = MemoryObjects()
-    fail = Fault(op="write", kind="fail", skip=4, limit=1)
+    fail = Fault(op="write", kind="fail", skip=4)  # the store stays down after 4 objects
     ctl = make_controller(controller_config(), KV, objects, faults=(fail,))
     tokens = prompt(1, 40)
     run_request(ctl, "a", tokens)
     drain(ctl)
     longer = tokens + prompt(2, 16)
-    run_request(ctl, "b", longer)  # a child of the node whose backup failed
+    run_request(ctl, "b", longer)  # a child of the node whose backup failed: tried again
     drain(ctl)
     stats = ctl.stats()
-    assert stats.backup_failures == 1 and stats.backup_skipped_gap == 1
-    assert stats.backed_up_pages == 0
+    assert stats.backup_failures == 2 and stats.backed_up_pages == 0
     assert stored_pages(objects, longer) == [True] * 4 + [False] * 10  # a prefix, no holes
+    ctl.check_integrity()
+    ctl.close()
+
+
+def test_backups_resume_with_later_writes_once_the_store_is_back() -> None:
+    objects = MemoryObjects()
+    outage = Fault(op="write", kind="fail", skip=4, limit=1)  # one failed batch, then back
+    ctl = make_controller(controller_config(), KV, objects, faults=(outage,))
+    tokens = prompt(1, 40)
+    run_request(ctl, "a", tokens)
+    drain(ctl)
+    assert stored_pages(objects, tokens)[4:] == [False] * 6
+    longer = tokens + prompt(2, 16)
+    run_request(ctl, "b", longer)  # its write retries the failed node first, then its own
+    drain(ctl)
+    stats = ctl.stats()
+    assert stats.backup_failures == 1 and stats.backed_up_pages == 14
+    assert stored_pages(objects, longer) == [True] * 14
     ctl.check_integrity()
     ctl.close()
 

@@ -80,6 +80,9 @@ def test_serve_app_answers_http_with_cache_statistics(ray_local: None) -> None:
         assert status == 200 and last["device_hit_tokens"] >= 48
     finally:
         serve.shutdown()
+    from actors.stores import store_exists
+
+    assert not store_exists("serve")  # the app dropped its store when it shut down
 
 
 # Bodies that must be refused with 400 (never 500, never coerced into a request).

@@ -13,14 +13,27 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from hicache_ray.config import CacheConfig, MemoryConfig, RayStorageOptions, StorageConfig
+from hicache_ray.config import (
+    CacheConfig,
+    Fault,
+    MemoryConfig,
+    RayStorageOptions,
+    StorageConfig,
+)
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
 from hicache_ray.layout import ModelKV, Shard, ShardKV
-from hicache_ray.storage import FileObjects, MemoryObjects, ObjectStore, PagedBackend
-from hicache_ray.storage.batched import BatchedBackend
+from hicache_ray.storage import (
+    FaultyObjects,
+    FileObjects,
+    MemoryObjects,
+    ObjectStore,
+    PagedBackend,
+)
 
-# "memory-batched" runs the batched backend (the one `ray` uses) over a local store.
-BACKENDS = ("memory", "memory-batched", "file", "file-s3", "ray")
+# Every store, and each again behind the fault injector with a rule that never fires (the
+# production I/O path through the injector: one store call per batch).
+STORES = ("memory", "file", "file-s3", "ray")
+BACKENDS = (*STORES, *(f"{kind}+faults" for kind in STORES))
 
 
 def make_plan(*, model_id: str = "test/model", share_tp: tuple[int, ...] = (1, 2)) -> ShardPlan:
@@ -74,17 +87,25 @@ _prefixes = itertools.count()
 @pytest.fixture
 def object_store_factory(request, tmp_path) -> Callable[[], ObjectStore]:
     """Opens the same underlying store again on every call (a restarted process)."""
-    kind = request.param
-    if kind in ("memory", "memory-batched"):
+    kind, _, faulty = request.param.partition("+")
+    opened = _opener(request, tmp_path, kind)
+    if not faulty:
+        return opened
+    inert = (Fault(op="read", kind="delay", delay_s=0.0, probability=0.0),)
+    return lambda: FaultyObjects(opened(), inert)
+
+
+def _opener(request, tmp_path, kind: str) -> Callable[[], ObjectStore]:
+    if kind == "memory":
         shared = MemoryObjects()
         return lambda: shared
     if kind == "ray":
-        request.getfixturevalue("ray_local")
-        from actors.ray_store import RayObjects, clear_store
+        from actors.ray_store import RayObjects
+        from actors.stores import clear_store
 
         # One store for the whole suite (its shard actors start once), emptied around
-        # every test.
-        options = RayStorageOptions(name="contract", num_shards=2)
+        # every test and dropped at the end of the session.
+        options = request.getfixturevalue("contract_store")
         clear_store(options)
         request.addfinalizer(lambda: clear_store(options))
         return lambda: RayObjects(options)
@@ -95,15 +116,34 @@ def object_store_factory(request, tmp_path) -> Callable[[], ObjectStore]:
     return lambda: FileObjects(uri)
 
 
+@pytest.fixture(scope="session")
+def contract_store() -> Iterator[RayStorageOptions]:
+    from tests.ray_util import ensure_local_ray
+
+    ensure_local_ray()
+    options = RayStorageOptions(name="contract", num_shards=2)
+    yield options
+    from actors.stores import drop_store
+
+    ensure_local_ray()
+    drop_store(options.name)
+
+
 BackendFactory = Callable[..., PagedBackend]
 
 
 @pytest.fixture
-def backend_factory(request, object_store_factory) -> BackendFactory:
-    kind = request.node.callspec.params["object_store_factory"]
-    cls = BatchedBackend if kind in ("memory-batched", "ray") else PagedBackend
-
+def backend_factory(object_store_factory) -> BackendFactory:
     def make(plan: ShardPlan | None = None, objects: ObjectStore | None = None, **kwargs):
-        return cls("test", objects or object_store_factory(), plan or make_plan(), **kwargs)
+        return PagedBackend(
+            "test", objects or object_store_factory(), plan or make_plan(), **kwargs
+        )
 
     return make
+
+
+def stored_size(objects: ObjectStore, key: str) -> int | None:
+    """What the store itself says of ``key`` (None: absent)."""
+    answer = objects.size_many([key])[0]
+    assert not isinstance(answer, Exception), answer
+    return answer

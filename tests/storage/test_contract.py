@@ -1,4 +1,5 @@
-"""The storage contract, run against every object store (memory, local files, S3)."""
+"""The storage contract, run against every object store (memory, local files, S3, the Ray
+object store), each also behind the fault injector."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 
 from hicache_ray.config import Fault
 from hicache_ray.storage import FaultyObjects
+from hicache_ray.storage.page_format import encode_header, payload_view
 
-from .conftest import BACKENDS, empty_buffers, make_pages, make_plan, page_keys
+from .conftest import BACKENDS, empty_buffers, make_pages, make_plan, page_keys, stored_size
 
 pytestmark = pytest.mark.parametrize("object_store_factory", BACKENDS, indirect=True)
 
@@ -120,7 +122,7 @@ def test_damaged_objects_are_detected_deleted_and_counted(
     assert backend.get(keys, out) == 1
     assert torch.equal(out[0], pages[0])
     assert backend.stats().corrupt_pages == 1
-    assert objects.inner.size(keys[1]) is None  # deleted
+    assert stored_size(objects.inner, keys[1]) is None  # deleted
     assert backend.exists(keys) == 1
     backend.check_integrity()
 
@@ -129,21 +131,90 @@ def test_foreign_namespace_pages_are_misses_and_deleted(backend_factory, object_
     objects = object_store_factory()
     ours, theirs = make_plan(), make_plan(model_id="other/model")
     keys = page_keys(ours, 2)
-    # a page stored under our key by a writer of another namespace (a mis-configured peer)
-    backend_factory(theirs, objects=objects).put(keys, make_pages(ours, 2))
+    # a page stored under our key by a writer of another namespace (a mis-configured peer,
+    # or a store shared with a different build): its header names their digest
+    pages = make_pages(ours, 2)
+    payloads = [payload_view(p) for p in pages]
+    headers = [
+        encode_header(k, theirs.digest, p, v) for k, p, v in zip(keys, pages, payloads, strict=True)
+    ]
+    assert objects.write_many(keys, headers, payloads) == [None, None]
     backend = backend_factory(ours, objects=objects)
     assert backend.get(keys, empty_buffers(ours, 2)) == 0
     assert backend.stats().corrupt_pages == 1
-    assert objects.size(keys[0]) is None
+    assert stored_size(objects, keys[0]) is None
 
 
-def test_a_buffer_of_another_shape_is_a_miss(backend_factory) -> None:
+def _wrong_buffers(shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Buffers a misconfigured peer might pass for an fp16 ``shape`` object."""
+    layer_short = (shape[0] - 1, *shape[1:]) if shape[0] > 1 else (*shape[:-1], shape[-1] - 1)
+    return [
+        torch.empty(shape, dtype=torch.float32),
+        torch.empty(shape, dtype=torch.bfloat16),
+        torch.empty(layer_short, dtype=torch.float16),
+        torch.empty(tuple(reversed(shape)), dtype=torch.float16),
+        torch.empty((*shape[:-1], shape[-1] * 2), dtype=torch.float16)[..., ::2],  # strided
+    ]
+
+
+def test_a_callers_wrong_buffer_is_an_error_and_never_deletes_a_page(backend_factory) -> None:
     backend = backend_factory()
     plan = backend.plan
-    keys = page_keys(plan, 1)
-    backend.put(keys, make_pages(plan, 1))
-    wrong = [torch.empty((1, *plan.objects[0].shape[1:]), dtype=torch.float16)]
-    assert backend.get(keys, wrong) == 0
+    keys, pages = page_keys(plan, 2), make_pages(plan, 2)
+    backend.put(keys, pages)
+    for i, wrong in enumerate(_wrong_buffers(plan.objects[0].shape)):
+        with pytest.raises(ValueError, match="expected"):
+            backend.get(keys, [empty_buffers(plan, 1)[0], wrong])
+        assert backend.stats().refused_pages == i + 1
+    with pytest.raises(ValueError, match="not one of this rank"):
+        backend.get(["f" * 64 + "_someone-else"], empty_buffers(plan, 1))
+    stats = backend.stats()
+    assert stats.corrupt_pages == 0 and stats.get_pages == 0
+    out = empty_buffers(plan, 2)
+    assert backend.get(keys, out) == 2 and _equal(out, pages)  # nothing was deleted
+
+
+def test_a_bad_page_is_refused_and_cannot_poison_its_key(backend_factory) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys, pages = page_keys(plan, 1), make_pages(plan, 1)
+    with pytest.raises(ValueError, match=r"expected torch\.float16"):
+        backend.put(keys, [pages[0].float()])  # a float32 page under an fp16 plan
+    assert backend.exists(keys) == 0 and backend.stats().refused_pages == 1
+    assert backend.put(keys, pages) == 1  # the correct page is stored, not skipped
+    out = empty_buffers(plan, 1)
+    assert backend.get(keys, out) == 1 and _equal(out, pages)
+
+
+@pytest.mark.parametrize("bad", ["../../victim", b"a" * 64, 7, None, "a" * 64 + "/x"])
+def test_keys_outside_the_grammar_are_refused_before_any_io(backend_factory, bad) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    good = page_keys(plan, 1)
+    for call in (
+        lambda: backend.exists([*good, bad]),
+        lambda: backend.get([*good, bad], empty_buffers(plan, 2)),
+        lambda: backend.put([*good, bad], make_pages(plan, 2)),
+        lambda: backend.delete([bad]),
+    ):
+        with pytest.raises(ValueError, match="key"):
+            call()
+    assert backend.exists(good) == 0  # nothing of the batch was stored
+
+
+def test_a_rejected_page_leaves_no_unverified_bytes_in_its_buffer(
+    backend_factory, object_store_factory
+) -> None:
+    plan = make_plan()
+    objects = FaultyObjects(object_store_factory(), (Fault(op="read", kind="corrupt", skip=1),))
+    backend = backend_factory(plan, objects=objects)
+    keys, pages = page_keys(plan, 3), make_pages(plan, 3)
+    backend.put(keys, pages)
+    out = empty_buffers(plan, 3)  # filled with -1
+    assert backend.get(keys, out) == 1
+    assert torch.equal(out[0], pages[0])
+    assert not out[1].any()  # the corrupt page's bytes were zeroed, not left in the buffer
+    assert all(not b.any() or bool((b == -1).all()) for b in out[2:])  # zeroed or untouched
 
 
 def test_metadata_cache_expires_after_its_ttl(backend_factory, object_store_factory) -> None:
@@ -153,7 +224,7 @@ def test_metadata_cache_expires_after_its_ttl(backend_factory, object_store_fact
     plan = backend.plan
     keys = page_keys(plan, 2)
     backend.put(keys, make_pages(plan, 2))
-    objects.remove(keys[1])  # another process deletes a page behind our back
+    objects.remove_many(keys[1:])  # another process deletes a page behind our back
     now[0] = 4.9
     assert backend.exists(keys) == 2  # trusted from the cache
     now[0] = 5.1
@@ -181,6 +252,6 @@ def test_delete(backend_factory) -> None:
     plan = backend.plan
     keys = page_keys(plan, 3)
     backend.put(keys, make_pages(plan, 3))
-    backend.delete([*keys[1:], "absent"])
+    backend.delete([*keys[1:], "0" * 64 + "_absent"])
     assert backend.exists(keys) == 1 and backend.stats().num_objects == 1
     backend.check_integrity()

@@ -19,7 +19,7 @@ from hicache_ray.storage import (
     create_backend,
 )
 
-from .conftest import empty_buffers, make_pages, make_plan, page_keys
+from .conftest import empty_buffers, make_pages, make_plan, page_keys, stored_size
 
 
 def _backend(*faults: Fault, capacity_bytes: int = 0, seed: int = 0):
@@ -32,7 +32,7 @@ def test_a_write_failure_ends_the_batch_without_holes() -> None:
     plan = backend.plan
     keys = page_keys(plan, 4)
     assert backend.put(keys, make_pages(plan, 4)) == 2
-    assert backend.exists(keys) == 2 and objects.inner.size(keys[3]) is None
+    assert backend.exists(keys) == 2 and stored_size(objects.inner, keys[3]) is None
     assert backend.stats().put_failures == 1
     assert objects.injected == {"write.fail": 1}
     backend.check_integrity()  # the failed page's reservation was given back
@@ -49,7 +49,7 @@ def test_a_failed_write_returns_its_capacity_reservation() -> None:
 
 def test_read_failures_and_lookup_failures_are_misses() -> None:
     backend, _objects = _backend(
-        Fault(op="read", kind="fail", skip=1), Fault(op="size", kind="fail")
+        Fault(op="read", kind="fail", skip=1), Fault(op="size", kind="fail", skip=3)
     )
     plan = backend.plan
     keys = page_keys(plan, 3)
@@ -59,6 +59,8 @@ def test_read_failures_and_lookup_failures_are_misses() -> None:
     backend.delete(keys)
     assert backend.exists(keys) == 0  # the lookup fails: a miss, not an exception
     assert backend.stats().get_failures == 2
+    assert backend.put(keys, make_pages(plan, 3)) == 0  # a failed lookup ends a put too
+    assert backend.stats().put_failures == 1
 
 
 def test_bytes_flipped_on_read_are_caught() -> None:
@@ -67,7 +69,7 @@ def test_bytes_flipped_on_read_are_caught() -> None:
     keys = page_keys(plan, 2)
     backend.put(keys, make_pages(plan, 2))
     assert backend.get(keys, empty_buffers(plan, 2)) == 0
-    assert backend.stats().corrupt_pages == 1 and objects.inner.size(keys[0]) is None
+    assert backend.stats().corrupt_pages == 1 and stored_size(objects.inner, keys[0]) is None
 
 
 def test_delay_slows_the_call_down() -> None:
@@ -82,7 +84,7 @@ def test_a_failing_delete_does_not_raise() -> None:
     keys = page_keys(backend.plan, 1)
     backend.put(keys, make_pages(backend.plan, 1))
     backend.delete(keys)
-    assert backend.stats().num_objects == 0 and objects.inner.size(keys[0]) is not None
+    assert backend.stats().num_objects == 0 and stored_size(objects.inner, keys[0]) is not None
 
 
 def test_the_injector_is_reproducible() -> None:
@@ -90,16 +92,42 @@ def test_the_injector_is_reproducible() -> None:
         objects = FaultyObjects(
             MemoryObjects(), (Fault(op="size", kind="fail", probability=0.5),), seed
         )
-        out = []
-        for _ in range(32):
-            try:
-                objects.size("k")
-                out.append(0)
-            except InjectedFault:
-                out.append(1)
-        return out
+        return [int(isinstance(objects.size_many(["k"])[0], InjectedFault)) for _ in range(32)]
 
-    assert hits(3) == hits(3) and 0 < sum(hits(3)) < 32
+    assert hits(3) == hits(3) and hits(3) != hits(4) and 0 < sum(hits(3)) < 32
+    batch = FaultyObjects(MemoryObjects(), (Fault(op="size", kind="fail", skip=2),))
+    answers = batch.size_many(["k"] * 8, leading=False)
+    assert answers[:2] == [None, None] and isinstance(answers[2], InjectedFault)
+    assert len(answers) == 3  # the batch ends at its first failure
+
+
+class _Counting(MemoryObjects):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def size_many(self, keys, leading=True):  # type: ignore[no-untyped-def]
+        self.calls["size"] = self.calls.get("size", 0) + 1
+        return super().size_many(keys, leading)
+
+    def read_many(self, keys, outs):  # type: ignore[no-untyped-def]
+        self.calls["read"] = self.calls.get("read", 0) + 1
+        return super().read_many(keys, outs)
+
+    def write_many(self, keys, headers, payloads):  # type: ignore[no-untyped-def]
+        self.calls["write"] = self.calls.get("write", 0) + 1
+        return super().write_many(keys, headers, payloads)
+
+
+def test_the_injector_keeps_one_store_call_per_batch() -> None:
+    inner = _Counting()
+    slow = Fault(op="read", kind="delay", delay_s=0.001, probability=0.5)
+    backend = PagedBackend("memory", FaultyObjects(inner, (slow,), seed=1), make_plan())
+    plan = backend.plan
+    keys = page_keys(plan, 16)
+    assert backend.put(keys, make_pages(plan, 16)) == 16
+    assert backend.exists(keys) == 16 and backend.get(keys, empty_buffers(plan, 16)) == 16
+    assert inner.calls == {"size": 1, "write": 1, "read": 1}  # exists was answered from cache
 
 
 def test_unsupported_faults_are_refused() -> None:

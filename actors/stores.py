@@ -1,0 +1,135 @@
+"""The life of object-store L3 stores: list, clear, drop (the API behind ``hicache-ray store``).
+
+A store is its ``num_shards`` named detached :class:`~actors.l3_shard.PageShard` actors; it
+lives until it is dropped, whatever job made it. Clearing empties it (every object freed, the
+shards stay); dropping kills its shards, which frees every object they own (the owner is
+gone) and removes the store for good. Runs that make a store for themselves (``bench``,
+``demo``, the examples) drop it when they end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from typing import Any, cast
+
+import msgspec
+import ray
+
+from actors.ray_store import NAMESPACE, RayObjects, mark_dropped, shard_name
+from hicache_ray.config import RayStorageOptions
+
+__all__ = [
+    "StoreInfo",
+    "clear_store",
+    "drop_store",
+    "list_stores",
+    "store_exists",
+    "store_stats",
+]
+
+_SHARD = re.compile(r"^hicache-l3-(?P<store>.+)-(?P<shard>\d+)$")
+
+
+class StoreInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One store as its shards report it.
+
+    Attributes:
+        name: the store's name (``RayStorageOptions.name``).
+        shards: shard actors found; objects / keys / bytes: summed over them;
+        capacity_bytes: the store's budget (0: none); evicted_objects: summed;
+        lost_objects: writers' objects lost before their shard owned them (the writer
+        died first); adopting: objects the shards are still copying into their own;
+        errors: shards that did not answer, with why.
+    """
+
+    name: str
+    shards: int
+    objects: int = 0
+    keys: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    evicted_objects: int = 0
+    lost_objects: int = 0
+    adopting: int = 0
+    errors: list[str] = msgspec.field(default_factory=list)
+
+
+def _shards_by_store() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NAMESPACE and (m := _SHARD.match(entry["name"])):
+            found.setdefault(m["store"], []).append(entry["name"])
+    return found
+
+
+def list_stores(timeout_s: float = 10.0) -> list[StoreInfo]:
+    """Every store in the connected cluster, by name."""
+    out = []
+    for store, names in sorted(_shards_by_store().items()):
+        totals: dict[str, Any] = {"name": store, "shards": len(names)}
+        errors: list[str] = []
+        for name in sorted(names):
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                answer = cast(dict[str, int], ray.get(actor.stats.remote(), timeout=timeout_s))
+            except Exception as exc:
+                errors.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            for key, value in answer.items():
+                totals[key] = totals.get(key, 0) + value
+        out.append(msgspec.convert({**totals, "errors": errors}, StoreInfo))
+    return out
+
+
+def drop_store(name: str, timeout_s: float = 30.0) -> int:
+    """Kill every shard of store ``name`` (their objects are freed with them); returns how
+    many shards were dropped (0: no such store).
+
+    Raises:
+        TimeoutError: a shard is still there after ``timeout_s``.
+    """
+    mark_dropped(name, True)  # clients that lose a shard now leave it dead
+    names = _shards_by_store().get(name, [])
+    for actor_name in names:
+        with contextlib.suppress(ValueError):  # gone meanwhile
+            ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE), no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while set(_shards_by_store().get(name, [])) & set(names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"store {name!r}: shards still alive after {timeout_s:g}s")
+        time.sleep(0.05)
+    return len(names)
+
+
+def clear_store(options: RayStorageOptions) -> None:
+    """Drop every page of store ``options.name`` (its objects are freed; the shards stay)."""
+    store = RayObjects(options)
+    try:
+        for shard in range(store.num_shards):
+            store.call(shard, "clear")
+    finally:
+        store.close()
+
+
+def store_stats(options: RayStorageOptions) -> dict[str, int]:
+    """Objects, keys and bytes of store ``options.name``, summed over its shards."""
+    store = RayObjects(options)
+    total: dict[str, int] = {}
+    try:
+        for shard in range(store.num_shards):
+            for key, value in store.call(shard, "stats").items():
+                total[key] = total.get(key, 0) + value
+    finally:
+        store.close()
+    return total
+
+
+def store_exists(name: str) -> bool:
+    """Whether a shard of store ``name`` is alive."""
+    try:
+        ray.get_actor(shard_name(name, 0), namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
