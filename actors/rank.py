@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -38,11 +39,13 @@ from hicache_ray.controller.consensus import Rendezvous
 from hicache_ray.errors import HiCacheError
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.model import ReferenceModel, gloo_tp_all_reduce
-from hicache_ray.model.pipe import StagePipe
+from hicache_ray.model.groups import model_backend, model_group
+from hicache_ray.model.pipe import StageExecutor
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
     RequestResult,
+    StreamChunk,
     check_request,
     error_result,
 )
@@ -89,7 +92,8 @@ class RankActor:
         self.runtime: RankRuntime | None = None
         self._lock = threading.Lock()
         self._inbox: list[GenerateRequest] = []  # guarded by _lock
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        self._abort_inbox: list[str] = []  # guarded by _lock
+        self._waiters: dict[str, _Waiter] = {}  # guarded by _lock
         self._stopped: str | None = None  # guarded by _lock: why no request is taken
         self._loop: StepLoop | None = None
         self.error: str | None = None
@@ -139,16 +143,29 @@ class RankActor:
         shard = Shard(
             tp_rank=self.tp_rank, tp_size=cfg.tp_size, pp_rank=self.pp_rank, pp_size=cfg.pp_size
         )
+        # The model's own groups: NCCL on CUDA, gloo on CPU (the consensus stays on gloo).
+        backend = model_backend(self.device)
+        log.info("rank %d: model collectives on %s (device %s)", rank, backend, self.device)
+
+        def model_group_of(name: str, group_rank: int, size: int) -> Any:
+            return model_group(
+                backend,
+                group_rank,
+                size,
+                host,
+                port,
+                name=f"g{self.generation}-{name}",
+                timeout_s=cfg.collective_timeout_s,
+                rendezvous=self._rendezvous if rank == 0 else None,
+            )
+
         tp_reduce = None
         if cfg.tp_size > 1:
-            tp_group = group(
-                f"tp{self.pp_rank}", self.tp_rank, cfg.tp_size, cfg.collective_timeout_s
-            )
-            tp_reduce = gloo_tp_all_reduce(tp_group.group)
-        pipe = None
-        if cfg.pp_size > 1:
-            pipe_group = group("pipe", rank, cfg.world_size, cfg.collective_timeout_s)
-            pipe = StagePipe(pipe_group.group, rank, cfg.tp_size, cfg.pp_size)
+            tp_group = model_group_of(f"tp{self.pp_rank}", self.tp_rank, cfg.tp_size)
+            tp_reduce = gloo_tp_all_reduce(tp_group)
+        pipe_group = None
+        if cfg.world_size > 1:  # hidden states between stages, the sampled tokens to all
+            pipe_group = model_group_of("pipe", rank, cfg.world_size)
         kv = ShardKV(model=cfg.model.model_kv(), shard=shard, page_size=cfg.cache.memory.page_size)
         self.controller = CacheController(
             cfg.cache,
@@ -158,7 +175,20 @@ class RankActor:
             host_budget_bytes=cfg.host_budget_bytes or None,
         )
         model = ReferenceModel(cfg.model, shard, tp_all_reduce=tp_reduce, device=self.device)
-        self.runtime = RankRuntime(self.controller, model, pipe=pipe, reuse_prefix=cfg.reuse_prefix)
+        comm = self.device if backend == "nccl" else torch.device("cpu")
+        executor = StageExecutor(
+            model, rank, cfg.tp_size, cfg.pp_size, pipe_group=pipe_group, comm_device=comm
+        )
+        sched = cfg.scheduler
+        self.runtime = RankRuntime(
+            self.controller,
+            model,
+            executor=executor,
+            reuse_prefix=cfg.reuse_prefix,
+            max_step_tokens=sched.max_step_tokens,
+            max_running=sched.max_running,
+            max_queued=sched.max_queued,
+        )
         self._loop = StepLoop(
             self._step, pace=self._pace, on_error=self._stopped_by, name=f"hicache-rank{rank}"
         )
@@ -169,26 +199,55 @@ class RankActor:
     async def generate(self, request: GenerateRequest) -> RequestResult:
         """Rank 0: run ``request`` to completion; raises :class:`RankFailure` when the
         ranks stopped stepping before it finished (or were stopped)."""
+        waiter = self._enqueue(request, stream=False)
+        if isinstance(waiter, RequestResult):
+            return waiter
+        result: RequestResult = await waiter.future
+        return result
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Rank 0: run ``request``, yielding its tokens as each step makes them, then a
+        last chunk with its result; raises :class:`RankFailure` like :meth:`generate`."""
+        waiter = self._enqueue(request, stream=True)
+        if isinstance(waiter, RequestResult):
+            yield StreamChunk(tokens=[], result=waiter)
+            return
+        assert waiter.chunks is not None
+        while True:
+            chunk = await waiter.chunks.get()
+            if isinstance(chunk, Exception):
+                raise chunk
+            yield chunk
+            if chunk.result is not None:
+                return
+
+    def abort(self, rid: str) -> None:
+        """Rank 0: stop request ``rid`` at the next step (its result says ``abort``)."""
+        with self._lock:
+            self._abort_inbox.append(rid)
+        if self._loop is not None:
+            self._loop.wake()
+
+    def _enqueue(self, request: object, *, stream: bool) -> _Waiter | RequestResult:
         if self.rank != 0:
             raise ValueError("requests go to rank 0")
         try:
-            request = check_request(request)
+            checked = check_request(request)
         except RequestError as exc:
             return error_result(request, str(exc))
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        waiter = _Waiter(loop, loop.create_future(), asyncio.Queue() if stream else None)
         with self._lock:
             if self._stopped is not None:
                 raise RankFailure(f"rank {self.rank} stopped: {self._stopped}")
-            if request.rid in self._waiters:
-                error = f"rid: request id {request.rid!r} is already in flight"
-                return RequestResult(rid=request.rid, error=error)
-            self._waiters[request.rid] = (loop, future)
-            self._inbox.append(request)
+            if checked.rid in self._waiters:
+                error = f"rid: request id {checked.rid!r} is already in flight"
+                return RequestResult(rid=checked.rid, error=error, finish_reason="error")
+            self._waiters[checked.rid] = waiter
+            self._inbox.append(checked)
         if self._loop is not None:
             self._loop.wake()
-        result: RequestResult = await future
-        return result
+        return waiter
 
     def stop(self, reason: str = "the deployment was shut down", timeout_s: float = 10.0) -> bool:
         """Stop taking requests, fail the pending ones, stop the step loop after its current
@@ -315,7 +374,7 @@ class RankActor:
         if self.rank != 0 or rt is None:
             return 0.0
         with self._lock:
-            inbox = bool(self._inbox)
+            inbox = bool(self._inbox or self._abort_inbox)
         if inbox or rt.has_runnable_work:
             return 0.0
         if rt.has_work:  # admitted requests wait on prefetches: no need to spin
@@ -328,9 +387,15 @@ class RankActor:
         if self.rank == 0:
             with self._lock:
                 inbox, self._inbox = self._inbox, []
+                aborts, self._abort_inbox = self._abort_inbox, []
             for request in inbox:
                 rt.submit(request)
-        for result in rt.step():
+            for rid in aborts:
+                rt.abort(rid)
+        out = rt.step()
+        if out.tokens and self.rank == 0:
+            self._stream(out.tokens)
+        for result in out.results:
             self._resolve(result)
         now = time.monotonic()
         if now - self._published_at >= _PUBLISH_EVERY_S and self.controller is not None:
@@ -349,22 +414,46 @@ class RankActor:
                 self._stopped = reason
             waiters, self._waiters = self._waiters, {}
         failure = RankFailure(f"rank {self.rank} stopped: {reason}")
-        for loop, future in waiters.values():
-            loop.call_soon_threadsafe(_fail, future, failure)
+        for waiter in waiters.values():
+            waiter.loop.call_soon_threadsafe(waiter.fail, failure)
+
+    def _stream(self, tokens: dict[str, list[int]]) -> None:
+        with self._lock:
+            streams = [(self._waiters.get(rid), new) for rid, new in tokens.items()]
+        for waiter, new in streams:
+            if waiter is not None and waiter.chunks is not None:
+                waiter.loop.call_soon_threadsafe(waiter.chunks.put_nowait, StreamChunk(tokens=new))
 
     def _resolve(self, result: RequestResult) -> None:
         with self._lock:
             waiter = self._waiters.pop(result.rid, None)
         if waiter is not None:
-            loop, future = waiter
-            loop.call_soon_threadsafe(_succeed, future, result)
+            waiter.loop.call_soon_threadsafe(waiter.succeed, result)
 
 
-def _succeed(future: asyncio.Future[Any], result: RequestResult) -> None:
-    if not future.done():
-        future.set_result(result)
+class _Waiter:
+    """A caller of rank 0 waiting for one request: its loop, its result, and for a stream
+    the queue of chunks (the step thread fills both through ``call_soon_threadsafe``)."""
 
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Any],
+        chunks: asyncio.Queue[StreamChunk | Exception] | None,
+    ) -> None:
+        self.loop = loop
+        self.future = future
+        self.chunks = chunks
 
-def _fail(future: asyncio.Future[Any], error: Exception) -> None:
-    if not future.done():
-        future.set_exception(error)
+    def succeed(self, result: RequestResult) -> None:
+        if self.chunks is not None:
+            self.chunks.put_nowait(StreamChunk(tokens=[], result=result))
+        if not self.future.done():
+            self.future.set_result(result)
+
+    def fail(self, error: Exception) -> None:
+        if self.chunks is not None:
+            self.chunks.put_nowait(error)
+        if not self.future.done():
+            self.future.set_exception(error)
+            self.future.exception()  # retrieved: a stream's caller reads the queue instead

@@ -10,7 +10,7 @@ from hicache_ray.checks import (
     check_positive,
     check_types,
 )
-from hicache_ray.config import CacheConfig, is_plain_name
+from hicache_ray.config import CacheConfig, SchedulerConfig, is_plain_name
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import describe_sharing, plan_objects
 from hicache_ray.layout import Shard, ShardKV, host_pool_pages
@@ -28,6 +28,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
         model: the model (the reference model's config; every rank draws the same weights).
         tp_size, pp_size: tensor- and pipeline-parallel sizes; rank = pp * tp_size + tp.
         cache: every rank's cache settings (pools, write and prefetch policies, L3).
+        scheduler: how ranks batch requests (step token budget, running and queue bounds).
         cpus_per_rank: CPUs each rank reserves; its torch threads are set to this.
         gpus_per_rank: 1 on GPU clusters (the pools and the model then live on CUDA), 0 on
             CPU-only ones.
@@ -51,6 +52,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     pp_size: int = 1
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     cpus_per_rank: float = 1.0
     gpus_per_rank: int = 0
     bundle_resources: dict[str, float] = msgspec.field(default_factory=dict)

@@ -35,6 +35,7 @@ __all__ = [
     "PrefetchConfig",
     "PrefetchPolicy",
     "RayStorageOptions",
+    "SchedulerConfig",
     "StorageConfig",
     "WriteConfig",
     "WritePolicy",
@@ -431,6 +432,29 @@ def _check_backend_name(name: str) -> None:
             "no backend is registered under this name",
             f"use one of {', '.join(known)} (or register_backend() yours first)",
         )
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How a rank batches its requests (continuous batching with chunked prefills).
+
+    Attributes:
+        max_step_tokens: tokens one forward computes at most: every running request's next
+            token first, then chunks of prefills (oldest first) up to this budget, so a long
+            prompt does not stall the requests that decode.
+        max_running: requests running (prefilling or decoding) at once.
+        max_queued: requests waiting to start (for room in the device pool or for their
+            prefetches) at once; a request past it is refused as overloaded.
+    """
+
+    max_step_tokens: int = 2048
+    max_running: int = 256
+    max_queued: int = 1024
+
+    def __post_init__(self) -> None:
+        check_types(self, "scheduler.")
+        check_positive("scheduler.max_step_tokens", self.max_step_tokens)
+        check_positive("scheduler.max_running", self.max_running)
+        check_positive("scheduler.max_queued", self.max_queued)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

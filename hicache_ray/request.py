@@ -19,12 +19,16 @@ import torch
 from hicache_ray.errors import HiCacheError
 
 __all__ = [
+    "FINISH_REASONS",
     "MAX_NEW_TOKENS",
     "MAX_RID_CHARS",
     "MAX_TOKEN_ID",
     "GenerateRequest",
     "RequestError",
     "RequestResult",
+    "SamplingParams",
+    "StreamChunk",
+    "check_batch",
     "check_limits",
     "check_request",
     "error_result",
@@ -35,8 +39,35 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as uint32
 
 
+# Why a request ended: it generated max_new_tokens ("length"), an EOS or stop token
+# ("stop"), its caller aborted it ("abort"), or it failed ("error", see ``error``).
+FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How a request picks its tokens, and what ends it besides ``max_new_tokens``.
+
+    Attributes:
+        temperature: 0 (the default) is greedy, the exactness reference; above 0 samples
+            from the softmax of logits / temperature.
+        top_p: sample from the smallest set of tokens whose probability reaches it (1: all).
+        top_k: sample from the k likeliest tokens (0: all).
+        seed: seeds the request's generator; None derives one from the request id. Either
+            way a sampled run is reproducible.
+        stop_token_ids: tokens that end generation (besides the model's EOS tokens).
+        ignore_eos: keep generating past the model's EOS tokens.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
 class GenerateRequest(msgspec.Struct, frozen=True):
-    """A prompt and how many tokens to generate greedily.
+    """A prompt, how many tokens to generate, and how to pick them.
 
     Attributes:
         rid: the caller's id of the request: a non-empty ``str`` of at most 256
@@ -44,11 +75,13 @@ class GenerateRequest(msgspec.Struct, frozen=True):
         tokens: the prompt's token ids: a non-empty list of ``int`` (a 1-D numpy or torch
             integer array is accepted and converted exactly).
         max_new_tokens: tokens to generate, an ``int`` in ``[0, 2**20]``.
+        sampling: greedy by default (see :class:`SamplingParams`).
     """
 
     rid: str
     tokens: list[int]
     max_new_tokens: int = 16
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
 
 
 class RequestResult(msgspec.Struct, kw_only=True):
@@ -63,6 +96,8 @@ class RequestResult(msgspec.Struct, kw_only=True):
         ttft_s: admission to first token; prefetch_s: admission to take.
         load_s: the longest L2 -> L1 copy of the prefix (it overlaps the prefill);
         load_bytes / prefetch_bytes: bytes copied L2 -> L1 / read from L3 for it.
+        queue_s: admission to the start of its prefill (waiting for room and prefetches).
+        finish_reason: ``length``, ``stop``, ``abort`` or ``error``.
         error: why the request was refused or failed (nothing else is set then), as
             ``field: problem`` for a bad request.
     """
@@ -78,7 +113,22 @@ class RequestResult(msgspec.Struct, kw_only=True):
     load_s: float = 0.0
     load_bytes: int = 0
     prefetch_bytes: int = 0
+    queue_s: float = 0.0
+    finish_reason: str = "length"
     error: str | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from L1, L2 or L3 (OpenAI's ``cached_tokens``)."""
+        return self.device_hit_tokens + self.host_hit_tokens
+
+
+class StreamChunk(msgspec.Struct):
+    """A piece of a streamed request: tokens generated since the last chunk; the last
+    chunk carries the request's result (its ``output_tokens`` are all of them)."""
+
+    tokens: list[int]
+    result: RequestResult | None = None
 
 
 class RequestError(HiCacheError, ValueError):
@@ -160,22 +210,52 @@ def check_request(request: object) -> GenerateRequest:
     max_new = int(max_new)
     if not 0 <= max_new <= MAX_NEW_TOKENS:
         raise RequestError("max_new_tokens", f"{max_new} is outside [0, {MAX_NEW_TOKENS}]")
-    if tokens is request.tokens and max_new is request.max_new_tokens:
-        return request
-    return GenerateRequest(rid, tokens, max_new)
+    return GenerateRequest(rid, tokens, max_new, _check_sampling(request.sampling))
 
 
-def check_limits(request: GenerateRequest, vocab_size: int, capacity_tokens: int) -> None:
+def _check_sampling(params: object) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise RequestError("sampling", f"expected SamplingParams, got {type(params).__name__}")
+    try:
+        msgspec.convert(msgspec.structs.asdict(params), SamplingParams, strict=True)
+    except msgspec.ValidationError as exc:
+        raise RequestError("sampling", str(exc)) from None
+    p = params
+    if not 0 <= p.temperature <= 100:  # NaN fails too
+        raise RequestError("sampling.temperature", f"{p.temperature} is outside [0, 100]")
+    if not 0 < p.top_p <= 1:
+        raise RequestError("sampling.top_p", f"{p.top_p} is outside (0, 1]")
+    if not 0 <= p.top_k <= 1 << 20:
+        raise RequestError("sampling.top_k", f"{p.top_k} is outside [0, 2**20]")
+    if p.seed is not None and not 0 <= p.seed < 1 << 63:
+        raise RequestError("sampling.seed", f"{p.seed} is outside [0, 2**63)")
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in p.stop_token_ids):
+        raise RequestError("sampling.stop_token_ids", "a token id is out of range")
+    return p
+
+
+def check_limits(
+    request: GenerateRequest, vocab_size: int, capacity_tokens: int, max_context: int = 0
+) -> None:
     """Refuse a (type-checked) request the model or the device pool can never serve.
 
     Raises:
-        RequestError: a token id outside the vocabulary, or more tokens than the device
-            pool holds.
+        RequestError: a token id outside the vocabulary, more tokens than the model's
+            context (``max_context``, 0: unbounded) or than the device pool holds.
     """
     high = max(request.tokens)
     if high >= vocab_size:
         raise RequestError("tokens", f"token id {high} is outside the vocabulary [0, {vocab_size})")
+    stops = request.sampling.stop_token_ids
+    if stops and max(stops) >= vocab_size:
+        raise RequestError("sampling.stop_token_ids", f"a token id is outside [0, {vocab_size})")
     total = len(request.tokens) + request.max_new_tokens
+    if max_context and total > max_context:
+        raise RequestError(
+            "tokens",
+            f"prompt plus max_new_tokens is {total} tokens, more than the model's context of "
+            f"{max_context}",
+        )
     if total > capacity_tokens:
         raise RequestError(
             "tokens",

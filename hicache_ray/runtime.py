@@ -1,23 +1,27 @@
-"""The per-rank step loop: admit, agree, take, prefill the uncached suffix, decode, insert.
+"""The per-rank scheduler: admit, agree, run every request in one batched forward per step.
 
 Every rank of a deployment runs :meth:`RankRuntime.step` in lock step; rank 0 alone takes
-:meth:`RankRuntime.submit` calls and reports results. One step:
+:meth:`RankRuntime.submit` and :meth:`RankRuntime.abort` calls and reports results. One step:
 
-1. rank 0's new requests are checked (a bad one gets an error result at once, alone) and
-   admitted through the controller's step, which also agrees every fact of the step;
-2. each request the prefetch policy lets run is taken with its agreed cached prefix (at
-   most all but the last prompt token, which must be computed) and prefilled over it, the
-   model waiting on each layer's load; its first token is sampled (greedy);
-3. every running request decodes one token; a finished one inserts the KV of its prompt and
-   generated tokens into the cache and releases its locks.
+1. rank 0 checks its new requests (a bad one gets an error result at once, alone) and admits
+   the oldest ones into the controller while the device pool has room for them
+   (:class:`~hicache_ray.scheduler.Admission`); the others wait in its FIFO queue, and one
+   past ``max_queued`` is refused as overloaded;
+2. the controller's step agrees every fact of the step: the new requests (admitted on every
+   rank, their prefetches started), the aborted ones, and which ones may run now;
+3. each runnable request takes its agreed cached prefix (loading its L2 part under the
+   forward) and reserves device pages for the rest of its prompt and its answer;
+4. one forward computes a batch: every running request's next token, then chunks of the
+   prefills (oldest first) up to ``max_step_tokens``; the tokens are sampled on the last
+   stage and broadcast, so every rank appends the same ones;
+5. a request that reached ``max_new_tokens``, an EOS or a stop token inserts the KV of its
+   prompt and answer into the cache and releases its locks.
 
-Requests waiting on a prefetch do not block the others: they are simply not runnable yet.
-
-A request is checked (types, vocabulary, size) before it is admitted, so nothing invalid
-reaches a collective. An exception raised while running one request (not a failed
-collective) fails that request alone: every rank that raised agrees on it through
-:meth:`CacheController.agree_failure` and goes on; a rank that did not raise never joins
-that agreement, so the others time out and the deployment re-forms.
+Nothing invalid reaches a collective (requests are checked first). An exception raised while
+running one request (not a failed collective) fails that request alone: every rank that
+raised agrees on it through :meth:`CacheController.agree_failure`; a failed batch is retried
+request by request, so the one that raises fails alone. A rank that did not raise never
+joins that agreement: the others time out and the deployment re-forms.
 """
 
 from __future__ import annotations
@@ -25,26 +29,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
-from hicache_ray.cache import CacheFullError, CacheHandle
 from hicache_ray.controller import Arrival, CacheController
 from hicache_ray.errors import CollectiveError
 from hicache_ray.model import ReferenceModel
-from hicache_ray.model.pipe import StagePipe, local_token
+from hicache_ray.model.pipe import StageExecutor
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
     RequestResult,
+    SamplingParams,
     check_limits,
     check_request,
     error_result,
 )
+from hicache_ray.sampling import RequestSampler
+from hicache_ray.scheduler import Admission, Req, plan_batch
 
-__all__ = ["GenerateRequest", "RankRuntime", "RequestResult"]
+__all__ = ["GenerateRequest", "RankRuntime", "RequestResult", "StepOutput"]
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +58,18 @@ class _Options(msgspec.Struct, frozen=True):
     """What an arrival carries besides its tokens (rank 0 encodes, every rank decodes)."""
 
     max_new_tokens: int
+    sampling: SamplingParams
 
 
 _OPTIONS = msgspec.msgpack.Decoder(_Options)
 
 
-@dataclass
-class _Running:
-    request: GenerateRequest
-    handle: CacheHandle
-    result: RequestResult
-    generated: list[int] = field(default_factory=list)
+class StepOutput(msgspec.Struct):
+    """What one step produced: finished requests, and the tokens each running request
+    generated in it (in order; what a streaming caller forwards)."""
+
+    results: list[RequestResult] = msgspec.field(default_factory=list)
+    tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class RankRuntime:
@@ -71,12 +77,13 @@ class RankRuntime:
 
     Args:
         controller: this rank's cache (its consensus group spans the deployment's ranks).
-        model: this rank's share of the model (its TP shard of its PP stage's layers).
-        pipe: moves hidden states between PP stages; None when one stage holds every layer.
-        keep_logits: keep each request's first-token logits in ``first_logits`` (tests;
-            the last PP stage only).
-        reuse_prefix: take cached prefixes; False computes every prompt whole (the
-            no-cache baseline of benchmarks; finished requests are still inserted).
+        model: this rank's share of the model.
+        executor: runs a batch across the ranks (made for a single rank when omitted).
+        keep_logits: keep the logits of every sampled token per request in ``logits``
+            (tests; the last PP stage only).
+        reuse_prefix: take cached prefixes; False computes every prompt whole (the no-cache
+            baseline of benchmarks; finished requests are still inserted).
+        max_step_tokens, max_running, max_queued: see ``SchedulerConfig``.
     """
 
     def __init__(
@@ -84,13 +91,16 @@ class RankRuntime:
         controller: CacheController,
         model: ReferenceModel,
         *,
-        pipe: StagePipe | None = None,
+        executor: StageExecutor | None = None,
         keep_logits: bool = False,
         reuse_prefix: bool = True,
+        max_step_tokens: int = 2048,
+        max_running: int = 256,
+        max_queued: int = 1024,
     ) -> None:
         self.ctl = controller
         self.model = model
-        self._forward = pipe.forward_token if pipe is not None else local_token
+        self.executor = executor or StageExecutor(model)
         self.busy = False  # whether the last step left work (requests, background copies)
         # Fault injection (tests, `bench faults`): called with the phase, "admit" (new
         # requests agreed, their prefetches started), "prefill" or "decode", and the request
@@ -99,12 +109,15 @@ class RankRuntime:
         self.page_size = controller.config.page_size
         self.keep_logits = keep_logits
         self.reuse_prefix = reuse_prefix
-        self.first_logits: dict[str, torch.Tensor] = {}
-        self._queue: list[object] = []
-        self._requests: dict[str, tuple[GenerateRequest, float]] = {}  # admitted, not taken
-        self._running: list[_Running] = []
-        self._done: list[RequestResult] = []
-        self._starting: tuple[str, CacheHandle] | None = None  # taken, not yet running
+        self.max_step_tokens = max_step_tokens
+        self.max_running = max_running
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        pool = controller.cache.device_pool
+        self.admission = Admission(pool.num_pages, self.page_size, max_queued)  # rank 0
+        self._aborts: list[str] = []  # rank 0: aborted by callers, for the next step
+        self._waiting: dict[str, Req] = {}  # admitted, not started (every rank)
+        self._running: list[Req] = []  # started, in start order (every rank)
+        self._out = StepOutput()
 
     # -------------------------------------------------------------- requests
 
@@ -112,166 +125,262 @@ class RankRuntime:
         """Queue a request (rank 0); a bad one is answered with an error at the next step."""
         if self.ctl.consensus.rank != 0:
             raise ValueError("requests are submitted on rank 0")
-        self._queue.append(request)
+        try:
+            checked = self._check(request)
+        except RequestError as exc:
+            self._out.results.append(error_result(request, str(exc)))
+            return
+        refused = self.admission.offer(checked, time.perf_counter())
+        if refused is not None:
+            self._out.results.append(
+                RequestResult(rid=checked.rid, error=refused, finish_reason="error")
+            )
+
+    def abort(self, rid: str) -> None:
+        """Stop request ``rid`` (rank 0): it ends at the next step with ``finish_reason``
+        ``abort`` and the tokens it generated so far."""
+        if self.admission.withdraw(rid):
+            self._out.results.append(RequestResult(rid=rid, finish_reason="abort"))
+        elif rid in self._waiting or any(s.rid == rid for s in self._running):
+            self._aborts.append(rid)
 
     def _check(self, request: object) -> GenerateRequest:
         """The request, checked; raises :class:`RequestError` naming what is wrong."""
         r = check_request(request)
-        check_limits(r, self.model.config.vocab_size, self.ctl.cache.device_pool.num_tokens)
-        if r.rid in self._requests or any(x.request.rid == r.rid for x in self._running):
+        cfg = self.model.config
+        check_limits(r, cfg.vocab_size, self.ctl.cache.device_pool.num_tokens, cfg.max_context)
+        if r.rid in self._waiting or self.admission.queued(r.rid) or self._is_running(r.rid):
             raise RequestError("rid", f"request id {r.rid!r} is already in flight")
         return r
+
+    def _is_running(self, rid: str) -> bool:
+        return any(s.rid == rid for s in self._running)
 
     # ------------------------------------------------------------------ step
 
     @property
     def has_work(self) -> bool:
         """Requests queued, admitted or running on this rank."""
-        return bool(self._queue or self._requests or self._running)
+        return bool(self.admission or self._waiting or self._running or self._aborts)
 
     @property
     def has_runnable_work(self) -> bool:
-        """Requests to admit or to run now (not only requests waiting on prefetches)."""
-        return bool(self._queue or self._running)
+        """Work for the next step now (not only requests waiting on prefetches)."""
+        return bool(self._running or self._aborts or self.admission.ready())
 
-    def step(self) -> list[RequestResult]:
-        """One scheduler iteration (every rank); returns the requests finished on it."""
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting to start (rank 0's queue and the admitted ones)."""
+        return len(self.admission) + len(self._waiting)
+
+    def step(self) -> StepOutput:
+        """One scheduler iteration (every rank); returns what it finished and generated."""
         arrivals = []
-        for queued in self._queue:
-            try:
-                r = self._check(queued)
-            except RequestError as exc:
-                self._done.append(error_result(queued, str(exc)))
-                continue
-            extra = msgspec.msgpack.encode(_Options(r.max_new_tokens))
-            arrivals.append(Arrival(r.rid, r.tokens, extra))
-        self._queue.clear()
-        agreed = self.ctl.step(arrivals)
+        for request in self.admission.admit(running=len(self._running) + len(self._waiting)):
+            extra = msgspec.msgpack.encode(_Options(request.max_new_tokens, request.sampling))
+            arrivals.append(Arrival(request.rid, request.tokens, extra))
+        aborts, self._aborts = self._aborts, []
+        agreed = self.ctl.step(arrivals, aborts)
         if agreed.arrivals and self.on_phase is not None:
             self.on_phase("admit", "")
         now = time.perf_counter()
         for a in agreed.arrivals:
-            try:
-                options = _OPTIONS.decode(a.extra)
-            except msgspec.DecodeError as exc:  # the same bytes on every rank: all refuse it
-                self.ctl.cancel(a.rid)
-                self._done.append(RequestResult(rid=a.rid, error=f"request options: {exc}"))
-                continue
-            self._requests[a.rid] = (GenerateRequest(a.rid, a.tokens, options.max_new_tokens), now)
-        for ordinal, rid in enumerate(agreed.runnable):
-            self._guarded(ordinal, rid, self._start)
-        for ordinal, running in enumerate(list(self._running), start=len(agreed.runnable)):
-            self._guarded(ordinal, running.request.rid, self._decode_rid)
-        done, self._done = self._done, []
+            self._arrive(a, now)
+        for rid in agreed.aborted:
+            self._drop(rid, RequestResult(rid=rid, finish_reason="abort"), keep_output=True)
+        starts = [rid for rid in agreed.runnable if rid in self._waiting]
+        for ordinal, rid in enumerate(starts[: max(0, self.max_running - len(self._running))]):
+            self._guarded(ordinal, [rid], self._start)
+        if self._running:
+            self._forward()
+        out, self._out = self._out, StepOutput()
         # A request finished here started host writes the agreement has not seen yet.
-        self.busy = agreed.busy or bool(done)
-        return done
+        self.busy = agreed.busy or bool(out.results)
+        return out
 
-    def _guarded(self, ordinal: int, rid: str, work: Callable[[str], None]) -> None:
-        """Run one request's work; its own failure fails it alone (see the module docstring)."""
+    def _arrive(self, a: Arrival, now: float) -> None:
         try:
-            work(rid)
-        except CollectiveError:
-            raise
-        except Exception as exc:
-            log.exception("request %s failed on rank %d", rid, self.ctl.consensus.rank)
-            self._drop(rid)
-            self._done.append(RequestResult(rid=rid, error=f"{type(exc).__name__}: {exc}"))
-            self.ctl.agree_failure(ordinal)
+            options = _OPTIONS.decode(a.extra)
+        except msgspec.DecodeError as exc:  # the same bytes on every rank: all refuse it
+            self.ctl.cancel(a.rid)
+            self._finish_admission(a.rid)
+            self._out.results.append(
+                RequestResult(rid=a.rid, error=f"request options: {exc}", finish_reason="error")
+            )
+            return
+        request = GenerateRequest(a.rid, a.tokens, options.max_new_tokens, options.sampling)
+        received = self.admission.received_at(a.rid, now)
+        self._waiting[a.rid] = Req(
+            request,
+            RequestSampler(a.rid, options.sampling),
+            received,
+            stop_ids=self._stop_ids(options.sampling),
+        )
 
-    def _drop(self, rid: str) -> None:
-        """Forget a failed request and release whatever it held."""
-        if rid in self._requests:
-            del self._requests[rid]
-            self.ctl.cancel(rid)
-        for running in self._running:
-            if running.request.rid == rid:
-                self._running.remove(running)
-                self.ctl.release(running.handle)
-                return
-        if self._starting is not None and self._starting[0] == rid:
-            self.ctl.release(self._starting[1])
-        self._starting = None
+    def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
+        return frozenset((*eos, *sampling.stop_token_ids))
+
+    # -------------------------------------------------------------- starting
 
     def _start(self, rid: str) -> None:
-        request, admitted = self._requests.pop(rid)
-        taken = time.perf_counter()
+        seq = self._waiting.pop(rid)
+        request = seq.request
+        seq.result.prefetch_s = time.perf_counter() - seq.received_at
         max_pages = (len(request.tokens) - 1) // self.page_size if self.reuse_prefix else 0
         handle = self.ctl.take(rid, max_pages=max_pages)
-        self._starting = (rid, handle)  # released by _drop should anything below raise
+        seq.handle = handle
+        self._running.append(seq)  # from here, dropping it releases the handle
         cached = handle.num_cached_tokens
-        result = RequestResult(
-            rid=rid,
-            device_hit_tokens=handle.device_hit_tokens,
-            host_hit_tokens=handle.host_hit_tokens,
-            recomputed_tokens=len(request.tokens) - cached,
-            prefetch_s=taken - admitted,
-        )
+        seq.computed = cached
+        seq.loads = list(handle.loads)
+        result = seq.result
+        result.device_hit_tokens = handle.device_hit_tokens
+        result.host_hit_tokens = handle.host_hit_tokens
+        result.recomputed_tokens = len(request.tokens) - cached
         # Pages this request prefetched that another request already loaded to the device
         # are device hits for this one: L3 hits are the prefetched part of the host hit.
         result.storage_hit_tokens = min(handle.storage_hit_tokens, handle.host_hit_tokens)
         page_bytes = self.ctl.cache.kv.page_bytes
         result.load_bytes = handle.host_hit_tokens // self.page_size * page_bytes
         result.prefetch_bytes = handle.storage_hit_tokens // self.page_size * page_bytes
-        loads = list(handle.loads)
+        # Room for the rest of the prompt and the whole answer: the admission budget kept
+        # it free, so this cannot run out (pages being written to L2 are waited for).
+        self.ctl.reserve(handle, len(request.tokens) - cached + request.max_new_tokens)
+        result.queue_s = time.perf_counter() - seq.received_at
+
+    # --------------------------------------------------------------- forward
+
+    def _forward(self) -> None:
+        """One batch over the running requests; on a failure raised by request code, each
+        request of the batch again on its own, so the one that raises fails alone."""
+        batch = plan_batch(self._running, self.max_step_tokens)
         try:
-            self.ctl.reserve(handle, len(request.tokens) - cached + request.max_new_tokens)
-        except CacheFullError as exc:  # running requests hold the pool: this one fails alone
-            self.ctl.release(handle)
-            self._starting = None
-            self._done.append(RequestResult(rid=rid, error=str(exc)))
-            return
-        ids = torch.tensor(request.tokens[cached:])
-        if self.on_phase is not None:
-            self.on_phase("prefill", rid)
-        with self.ctl.computing():
-            token, logits = self._forward(
-                self.model,
-                ids,
-                self.ctl.cache.device_pool,
-                handle.device_pages,
-                cached,
-                wait_layer=handle.wait_layer,
+            self._run(batch)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "a batch of %d requests failed (%s); running them one by one", len(batch), exc
             )
-        self.ctl.wait_ready(handle)  # surfaces (and counts) a failed load
-        result.load_s = max((t.latency_s or 0.0 for t in loads), default=0.0)
-        if self.keep_logits and logits is not None:
-            self.first_logits[rid] = logits.clone()
-        running = _Running(request, handle, result)
-        result.ttft_s = time.perf_counter() - admitted
-        if request.max_new_tokens:
-            running.generated.append(token)
-        self._running.append(running)
-        self._starting = None
-        self._maybe_finish(running)
+            self.ctl.agree_failure(-1)
+            for ordinal, (seq, length) in enumerate(batch):
+                if seq in self._running:  # (an earlier one's failure cannot drop it, but be sure)
+                    self._guarded(ordinal, [seq.rid], self._run_alone(seq, length))
 
-    def _decode_rid(self, rid: str) -> None:
-        self._decode(next(r for r in self._running if r.request.rid == rid))
+    def _run_alone(self, seq: Req, length: int) -> Callable[[str], None]:
+        def run(_: str) -> None:
+            self._run([(seq, length)])
 
-    def _decode(self, running: _Running) -> None:
-        if self._maybe_finish(running):
-            return
-        request = running.request
-        position = len(request.tokens) + len(running.generated) - 1
+        return run
+
+    def _run(self, batch: list[tuple[Req, int]]) -> None:
         if self.on_phase is not None:
-            self.on_phase("decode", request.rid)
-        token, _ = self._forward(
-            self.model,
-            torch.tensor(running.generated[-1:]),
-            self.ctl.cache.device_pool,
-            running.handle.device_pages,
-            position,
-        )
-        running.generated.append(token)
-        self._maybe_finish(running)
+            for seq, _ in batch:
+                self.on_phase("decode" if seq.prefilled else "prefill", seq.rid)
+        ids = torch.tensor([t for seq, n in batch for t in seq.next_tokens(n)], dtype=torch.long)
+        segments = [seq.segment(n) for seq, n in batch]
+        sampled = [i for i, (seq, n) in enumerate(batch) if seq.samples_after(n)]
+        ends = torch.tensor([n for _, n in batch]).cumsum(0) - 1
+        rows = [int(ends[i]) for i in sampled]
+        first = [seq for seq, _ in batch if seq.loads]
 
-    def _maybe_finish(self, running: _Running) -> bool:
-        if len(running.generated) < running.request.max_new_tokens:
-            return False
+        def wait_layer(layer: int) -> None:
+            for seq in first:
+                assert seq.handle is not None
+                seq.handle.wait_layer(layer)
+
+        def sample(logits: torch.Tensor) -> list[int]:
+            return [batch[i][0].sampler.sample(logits[j]) for j, i in enumerate(sampled)]
+
+        keep = self._keep(batch, sampled) if self.keep_logits else None
+        with self.ctl.computing():
+            tokens = self.executor.run(
+                ids,
+                segments,
+                self.ctl.cache.device_pool,
+                rows,
+                sample,
+                wait_layer=wait_layer if first else None,
+                keep=keep,
+            )
+        for seq in first:
+            assert seq.handle is not None
+            self.ctl.wait_ready(seq.handle)  # surfaces (and counts) a failed load
+            seq.result.load_s = max((t.latency_s or 0.0 for t in seq.loads), default=0.0)
+            seq.loads = []
+        now = time.perf_counter()
+        for seq, n in batch:
+            seq.computed += n
+        for i, token in zip(sampled, tokens, strict=True):
+            seq = batch[i][0]
+            if not seq.generated:
+                seq.result.ttft_s = now - seq.received_at
+            seq.generated.append(token)
+            self._out.tokens.setdefault(seq.rid, []).append(token)
+        for seq, _ in batch:
+            if seq.done:
+                self._finish(seq)
+
+    def _keep(
+        self, batch: list[tuple[Req, int]], sampled: list[int]
+    ) -> Callable[[torch.Tensor], None]:
+        def keep(logits: torch.Tensor) -> None:
+            for j, i in enumerate(sampled):
+                self.logits.setdefault(batch[i][0].rid, []).append(logits[j].detach().clone())
+
+        return keep
+
+    @property
+    def first_logits(self) -> dict[str, torch.Tensor]:
+        """The logits of each request's first token (tests)."""
+        return {rid: rows[0] for rid, rows in self.logits.items() if rows}
+
+    # ------------------------------------------------------------- finishing
+
+    def _finish(self, seq: Req) -> None:
+        assert seq.handle is not None
         # KV exists for the prompt and every generated token but the last.
-        tokens = running.request.tokens + running.generated[:-1]
-        self.ctl.finish(running.handle, tokens)
-        running.result.output_tokens = list(running.generated)
-        self._running.remove(running)
-        self._done.append(running.result)
-        return True
+        self.ctl.finish(seq.handle, seq.request.tokens + seq.generated[:-1])
+        self._running.remove(seq)
+        self._finish_admission(seq.rid)
+        seq.result.output_tokens = list(seq.generated)
+        seq.result.finish_reason = seq.finish_reason
+        self._out.results.append(seq.result)
+
+    def _finish_admission(self, rid: str) -> None:
+        if self.ctl.consensus.rank == 0:
+            self.admission.release(rid)
+
+    def _guarded(self, ordinal: int, rids: list[str], work: Callable[[str], None]) -> None:
+        """Run one request's work; its own failure fails it alone (see the module docstring)."""
+        try:
+            work(rids[0])
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            log.exception("request %s failed on rank %d", rids[0], self.ctl.consensus.rank)
+            error = f"{type(exc).__name__}: {exc}"
+            self._drop(rids[0], RequestResult(rid=rids[0], error=error, finish_reason="error"))
+            self.ctl.agree_failure(ordinal)
+
+    def _drop(self, rid: str, result: RequestResult, *, keep_output: bool = False) -> None:
+        """Forget a failed or aborted request and release whatever it held."""
+        if rid in self._waiting:
+            seq = self._waiting.pop(rid)
+            if rid in self.ctl.requests.known:
+                self.ctl.cancel(rid)
+        else:
+            found = [s for s in self._running if s.rid == rid]
+            if not found:
+                return
+            seq = found[0]
+            self._running.remove(seq)
+            if seq.handle is not None:
+                self.ctl.release(seq.handle)
+        if keep_output:
+            result = seq.result
+            result.output_tokens = list(seq.generated)
+            result.finish_reason = "abort"
+        self._finish_admission(rid)
+        self._out.results.append(result)

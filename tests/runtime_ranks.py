@@ -58,7 +58,7 @@ def tp_rank_main(rank: int, world: int, ports: Any, out: Any, requests: list[Any
         if rank == 0:
             rt.submit(GenerateRequest(rid, tokens, max_new))
         while rid not in results:
-            for r in rt.step():
+            for r in rt.step().results:
                 results[r.rid] = r
             ctl.settle(timeout=60)
     out.put(

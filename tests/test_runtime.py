@@ -50,7 +50,7 @@ def runtime(
 def run(rt: RankRuntime, request: GenerateRequest) -> RequestResult:
     rt.submit(request)
     while True:
-        for result in rt.step():
+        for result in rt.step().results:
             if result.rid == request.rid:
                 return result
         rt.ctl.settle(timeout=30)
@@ -131,7 +131,7 @@ def test_reuse_from_every_tier_is_exact(tier: str, policy: str) -> None:
 def _until(rt: RankRuntime, rids: set[str]) -> dict[str, RequestResult]:
     results: dict[str, RequestResult] = {}
     while not rids <= set(results):
-        results.update({r.rid: r for r in rt.step()})
+        results.update({r.rid: r for r in rt.step().results})
     return results
 
 
@@ -225,7 +225,7 @@ def test_a_request_waiting_on_its_prefetch_does_not_hold_others_back() -> None:
     rt.submit(GenerateRequest("quick", prompt(10, 9), 2))
     finished: list[str] = []
     while "slow" not in finished:
-        finished += [r.rid for r in rt.step()]
+        finished += [r.rid for r in rt.step().results]
         rt.ctl.wait_requests(timeout=0.01)
     assert finished.index("quick") < finished.index("slow")
     rt.ctl.close()

@@ -85,7 +85,7 @@ class _Deployment:
         rid = f"r{self._ids}"
         self.rt.submit(GenerateRequest(rid, tokens, 1))
         while True:
-            for result in self.rt.step():
+            for result in self.rt.step().results:
                 if result.rid == rid:
                     if result.error:
                         raise RuntimeError(f"bench request failed: {result.error}")

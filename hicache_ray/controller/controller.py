@@ -53,12 +53,15 @@ class StepResult:
         runnable: admitted requests whose prefetch policy lets them run now, oldest first.
         busy: some rank still has background work (writes, queries, reads, backups) or
             requests in flight.
+        aborted: request ids rank 0 aborted this step (admitted ones are cancelled here;
+            the caller drops those it runs).
     """
 
     step: int
     arrivals: list[Arrival] = field(default_factory=list)
     runnable: list[str] = field(default_factory=list)
     busy: bool = False
+    aborted: list[str] = field(default_factory=list)
 
 
 class CacheController:
@@ -118,20 +121,22 @@ class CacheController:
 
     # ------------------------------------------------------------------- step
 
-    def step(self, arrivals: Sequence[Arrival] = ()) -> StepResult:
-        """Agree on this step's facts with every rank and admit rank 0's ``arrivals``.
+    def step(self, arrivals: Sequence[Arrival] = (), aborts: Sequence[str] = ()) -> StepResult:
+        """Agree on this step's facts with every rank and admit rank 0's ``arrivals``;
+        rank 0's ``aborts`` reach every rank at the same step (admitted ones are cancelled).
 
         Raises:
             ValueError: ``arrivals`` on a rank other than 0, or a bad arrival (rank 0
                 raises before any collective, so the other ranks simply wait for its retry).
             ConsensusError: a peer timed out or died.
         """
-        if arrivals and self.consensus.rank != 0:
+        if (arrivals or aborts) and self.consensus.rank != 0:
             raise ValueError("only rank 0 admits requests; pass no arrivals on other ranks")
-        payload = encode_arrivals(arrivals, self.requests.known) if arrivals else b""
+        admitting = len(arrivals) + len(aborts)
+        payload = encode_arrivals(arrivals, self.requests.known, aborts) if admitting else b""
         self.cache.poll()
         facts = Header.local(
-            arrivals=len(arrivals),
+            arrivals=admitting,
             payload_bytes=len(payload),
             acks=self.acks.facts(),
             failed=self._failed_since_step,
@@ -145,7 +150,7 @@ class CacheController:
         start = time.perf_counter()
         # Round 1: does any rank contribute something new? When none does, every MIN of
         # round 2 would equal the last agreement: an idle step is this one integer.
-        changed = bool(arrivals) or facts != self._contributed
+        changed = bool(admitting) or facts != self._contributed
         news = self.consensus.all_reduce_min([-int(changed)], self._step)
         if not news[0]:
             stats.consensus_s += time.perf_counter() - start
@@ -153,9 +158,11 @@ class CacheController:
         agreed = self.consensus.all_reduce_min(facts, self._step)
         header = Header.decode(agreed, self._step)
         new: list[Arrival] = []
+        aborted: list[str] = []
         if header.arrivals:
             data = self.consensus.broadcast_bytes(payload, header.payload_bytes, self._step)
-            new = decode_arrivals(data)
+            admission = decode_arrivals(data)
+            new, aborted = admission.arrivals, admission.aborts
         stats.consensus_s += time.perf_counter() - start
         stats.full_steps += 1
         self._contributed = facts
@@ -166,8 +173,13 @@ class CacheController:
         self.requests.apply(agreed[Header.SIZE :])
         for arrival in new:
             self.requests.admit(arrival)
+        for rid in aborted:
+            if rid in self.requests.known:
+                self.requests.cancel(rid)
         self._busy_agreed = header.busy or bool(self.requests)
-        return StepResult(self._step, new, self.requests.runnable(), self._busy_agreed)
+        return StepResult(
+            self._step, new, self.requests.runnable(), self._busy_agreed, aborted=aborted
+        )
 
     def agree_failure(self, ordinal: int) -> None:
         """Every rank calls this when the request at position ``ordinal`` of this step's

@@ -30,7 +30,7 @@ import msgspec
 
 from hicache_ray.controller.consensus import ConsensusError
 
-__all__ = ["Arrival", "Header", "decode_arrivals", "encode_arrivals"]
+__all__ = ["Admission", "Arrival", "Header", "decode_arrivals", "encode_arrivals"]
 
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -49,12 +49,22 @@ class Arrival(msgspec.Struct, frozen=True):
     extra: bytes = b""
 
 
+class Admission(msgspec.Struct, frozen=True):
+    """What rank 0 broadcasts in a step: new requests, and requests its callers aborted
+    (every rank drops those at the same step)."""
+
+    arrivals: list[Arrival]
+    aborts: list[str] = msgspec.field(default_factory=list)
+
+
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(list[Arrival])
+_DECODER = msgspec.msgpack.Decoder(Admission)
 
 
-def encode_arrivals(arrivals: Sequence[Arrival], known: Container[str]) -> bytes:
-    """Check ``arrivals`` and encode them for the broadcast.
+def encode_arrivals(
+    arrivals: Sequence[Arrival], known: Container[str], aborts: Sequence[str] = ()
+) -> bytes:
+    """Check ``arrivals`` and encode them, with the ``aborts``, for the broadcast.
 
     Raises:
         ValueError: a duplicate or in-flight ``rid``, an empty prompt, or a token id
@@ -71,10 +81,10 @@ def encode_arrivals(arrivals: Sequence[Arrival], known: Container[str]) -> bytes
             raise ValueError(f"request {a.rid!r} has no tokens")
         if min(a.tokens) < 0 or max(a.tokens) > MAX_TOKEN_ID:
             raise ValueError(f"request {a.rid!r} has a token id outside [0, 2**32)")
-    return _ENCODER.encode(list(arrivals))
+    return _ENCODER.encode(Admission(list(arrivals), list(aborts)))
 
 
-def decode_arrivals(data: bytes) -> list[Arrival]:
+def decode_arrivals(data: bytes) -> Admission:
     return _DECODER.decode(data)
 
 

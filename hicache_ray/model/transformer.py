@@ -1,20 +1,24 @@
-"""The reference decoder for one TP/PP rank, reading and writing KV in the device pool.
+"""The decoder for one TP/PP rank, reading and writing KV in the device pool, in batches.
 
-A forward pass computes the tokens at positions ``[start, start + T)`` of a request whose
-pool pages cover ``[0, start + T)``: the KV of ``[0, start)`` is already in the pool (cached,
-or loaded by the cache), the KV of the new tokens is written into their slots, and every
-layer's attention reads the pool through the page table. ``wait_layer(l)`` is called before
-layer ``l`` reads the pool, so a load from the host can overlap the layers before it.
+A forward pass computes a batch of *segments*: segment ``i`` is the tokens at positions
+``[start_i, start_i + T_i)`` of one request whose pool pages cover ``[0, start_i + T_i)``.
+The KV of ``[0, start_i)`` is already in the pool (cached, loaded by the cache, or computed
+by earlier steps), the KV of the new tokens is written into their slots, and every layer's
+attention reads the pool through each request's page table. Projections, norms and the MLP
+run once over all the batch's tokens; attention runs per segment. ``wait_layer(l)`` is
+called before layer ``l`` reads the pool, so loads from the host overlap the layers before.
 
 Tensor parallelism splits KV heads (with their query heads) and MLP columns; the attention
-output and MLP down projections are summed over the TP group. Pipeline parallelism gives
-each stage a contiguous layer range: the first stage embeds tokens, the last returns
-logits, the others take and return hidden states (the caller moves them between stages).
+output and MLP down projections are summed over the TP group (one all-reduce each per layer
+for the whole batch). Pipeline parallelism gives each stage a contiguous layer range: the
+first stage embeds tokens, the last returns logits, the others take and return hidden
+states (the caller moves them between stages).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,32 +27,37 @@ from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.memory import DevicePool
 from hicache_ray.model.attention import paged_attention, position_slots
 from hicache_ray.model.config import ModelConfig
-from hicache_ray.model.weights import LayerWeights, shard_weights
+from hicache_ray.model.rope import inverse_frequencies, rotate
+from hicache_ray.model.weights import LayerWeights, ModelWeights, seeded_weights
 
-__all__ = ["ReferenceModel", "TPGroup", "gloo_tp_all_reduce"]
+__all__ = ["ReferenceModel", "Segment", "TPGroup", "gloo_tp_all_reduce"]
 
 TPGroup = Callable[[torch.Tensor], None]  # in-place SUM all-reduce over the TP ranks
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One request's tokens in a batch: positions ``[start, start + length)``; ``pages``
+    are its pool pages covering ``[0, start + length)``."""
+
+    pages: Sequence[int]
+    start: int
+    length: int
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: statistics in float32, the weight applied in
+    the input's dtype."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` ``[T, H, D]`` (halves convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    return weight.to(x.dtype) * normed.to(x.dtype)
 
 
 class ReferenceModel:
-    """One rank's share of the reference model.
+    """One rank's share of a decoder (seeded random weights, or a checkpoint's).
 
     Args:
-        config: model sizes and seed.
+        config: the model.
         shard: this rank's TP/PP coordinates.
         tp_all_reduce: SUM all-reduce over the TP group (in place); omitted for TP=1.
         device: where weights live (the device pool's device).
@@ -74,13 +83,31 @@ class ReferenceModel:
         self.local_q_heads = config.num_heads // self.shard.tp_size
         self.first_stage = self.shard.pp_rank == 0
         self.last_stage = self.shard.pp_rank == self.shard.pp_size - 1
-        self.weights = shard_weights(
-            config, self.shard.tp_rank, self.shard.tp_size, self.layer_range, self.device
+        self.weights = self._load()
+        self._inv_freq = inverse_frequencies(config, self.device)
+
+    def _load(self) -> ModelWeights:
+        s, cfg = self.shard, self.config
+        if cfg.intermediate_size % s.tp_size or cfg.num_kv_heads % s.tp_size:
+            raise ValueError(
+                f"tp_size={s.tp_size} must divide num_kv_heads={cfg.num_kv_heads} and "
+                f"intermediate_size={cfg.intermediate_size}"
+            )
+        if not cfg.checkpoint:
+            return seeded_weights(cfg, s.tp_rank, s.tp_size, self.layer_range, self.device)
+        from hicache_ray.model.checkpoint import load_shard
+
+        return load_shard(
+            cfg,
+            s.tp_rank,
+            s.tp_size,
+            self.layer_range,
+            self.device,
+            first_stage=self.first_stage,
+            last_stage=self.last_stage,
         )
-        half = config.head_dim // 2
-        self._inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, half, device=self.device).float() / half)
-        )
+
+    # ---------------------------------------------------------------- forward
 
     def forward(
         self,
@@ -92,45 +119,74 @@ class ReferenceModel:
         wait_layer: Callable[[int], None] | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Compute positions ``[start, start + T)``.
-
-        Args:
-            inputs: token ids ``[T]`` on the first stage, else hidden states ``[T, hidden]``.
-            pool: this rank's device pool (local layers, local KV heads).
-            pages: the request's pool pages covering ``[0, start + T)``.
-            start: tokens whose KV is already in the pool.
-            wait_layer: called with the local layer index before it reads the pool.
-            all_logits: logits of every position, not only the last (what sampling needs).
+        """One segment: positions ``[start, start + T)`` (see :meth:`forward_batch`).
 
         Returns:
             logits ``[T or 1, vocab]`` (float32) on the last stage, else hidden states.
         """
-        w = self.weights
         num = inputs.shape[0]
-        if (
-            self.first_stage
-            and num
-            and (int(inputs.min()) < 0 or int(inputs.max()) >= len(w.embed))
-        ):
-            raise ValueError(f"token ids must lie in [0, {len(w.embed)}) (the vocabulary)")
-        x = w.embed[inputs.to(self.device)] if self.first_stage else inputs
-        slots = position_slots(pages, pool.page_size, start, start + num).to(self.device)
-        angles = torch.arange(start, start + num, device=self.device).float()[:, None]
-        angles = angles * self._inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        rows = list(range(num)) if all_logits else [num - 1]
+        return self.forward_batch(
+            inputs, [Segment(pages, start, num)], pool, wait_layer=wait_layer, logit_rows=rows
+        )
+
+    def forward_batch(
+        self,
+        inputs: torch.Tensor,
+        segments: Sequence[Segment],
+        pool: DevicePool,
+        *,
+        wait_layer: Callable[[int], None] | None = None,
+        logit_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Compute every segment's new tokens.
+
+        Args:
+            inputs: token ids ``[N]`` on the first stage, else hidden states ``[N, hidden]``,
+                segments concatenated in order (``N`` is the sum of their lengths).
+            segments: the batch's requests.
+            pool: this rank's device pool (local layers, local KV heads).
+            wait_layer: called with the local layer index before it reads the pool.
+            logit_rows: the rows of ``inputs`` to compute logits for (the last stage);
+                default each segment's last token.
+
+        Returns:
+            logits ``[len(logit_rows), vocab]`` (float32) on the last stage, else hidden
+            states ``[N, hidden]``.
+        """
+        w, cfg = self.weights, self.config
+        num = inputs.shape[0]
+        if num != sum(s.length for s in segments):
+            raise ValueError(f"{num} inputs for segments of {sum(s.length for s in segments)}")
+        if self.first_stage:
+            assert w.embed is not None
+            if num and (int(inputs.min()) < 0 or int(inputs.max()) >= len(w.embed)):
+                raise ValueError(f"token ids must lie in [0, {len(w.embed)}) (the vocabulary)")
+            x = w.embed[inputs.to(self.device)]
+        else:
+            x = inputs.to(self.device)
+        page_size = pool.page_size
+        slots = torch.cat(
+            [position_slots(s.pages, page_size, s.start, s.start + s.length) for s in segments]
+        ).to(self.device)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        angles = positions.to(self.device).float()[:, None] * self._inv_freq[None, :]
+        rope = (angles.cos()[:, None, :], angles.sin()[:, None, :])
         for local, layer in enumerate(w.layers):
             if wait_layer is not None:
-                wait_layer(local)  # this layer's cached prefix must be in the pool
+                wait_layer(local)  # this layer's cached prefixes must be in the pool
             k_pool, v_pool = pool.layer(local)
-            rope = (cos, sin)
-            x = x + self._attention(
-                x, layer, (k_pool, v_pool), slots, rope, (pages, pool.page_size), start
-            )
+            x = x + self._attention(x, layer, (k_pool, v_pool), slots, rope, segments, page_size)
             x = x + self._mlp(x, layer)
         if not self.last_stage:
             return x
-        x = _rms_norm(x, w.norm, self.config.rms_eps)
-        return x.float() @ w.lm_head.float().T
+        assert w.norm is not None and w.lm_head is not None
+        if logit_rows is None:
+            ends = torch.tensor([s.length for s in segments]).cumsum(0) - 1
+            logit_rows = ends.tolist()
+        picked = x[torch.as_tensor(list(logit_rows), dtype=torch.long, device=x.device)]
+        h = _rms_norm(picked, w.norm, cfg.rms_eps)
+        return h.float() @ w.lm_head.float().T
 
     def _attention(
         self,
@@ -139,20 +195,31 @@ class ReferenceModel:
         kv_pool: tuple[torch.Tensor, torch.Tensor],
         slots: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        table: tuple[Sequence[int], int],
-        start: int,
+        segments: Sequence[Segment],
+        page_size: int,
     ) -> torch.Tensor:
         cfg = self.config
         k_pool, v_pool = kv_pool
         h = _rms_norm(x, w["attn_norm"], cfg.rms_eps)
         num, d = x.shape[0], cfg.head_dim
-        q = _rotate((h @ w["q"].T).view(num, self.local_q_heads, d), *rope)
-        k = _rotate((h @ w["k"].T).view(num, self.local_kv_heads, d), *rope)
-        v = (h @ w["v"].T).view(num, self.local_kv_heads, d)
+        q, k, v = h @ w["q"].T, h @ w["k"].T, h @ w["v"].T
+        if "q_bias" in w:
+            q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+        q = q.view(num, self.local_q_heads, d)
+        k = k.view(num, self.local_kv_heads, d)
+        if "q_norm" in w:
+            q = _rms_norm(q, w["q_norm"], cfg.rms_eps)
+            k = _rms_norm(k, w["k_norm"], cfg.rms_eps)
+        q, k = rotate(q, *rope), rotate(k, *rope)
         k_pool[slots] = k.to(k_pool.dtype)  # the new tokens' KV, into their reserved slots
-        v_pool[slots] = v.to(v_pool.dtype)
-        out = paged_attention(q, k_pool, v_pool, table[0], table[1], start)
-        out = out.reshape(num, -1) @ w["o"].T
+        v_pool[slots] = v.view(num, self.local_kv_heads, d).to(v_pool.dtype)
+        outs = []
+        first = 0
+        for s in segments:
+            seg_q = q[first : first + s.length]
+            outs.append(paged_attention(seg_q, k_pool, v_pool, s.pages, page_size, s.start))
+            first += s.length
+        out = torch.cat(outs).reshape(num, -1) @ w["o"].T
         self._reduce(out)
         return out
 
@@ -168,7 +235,7 @@ class ReferenceModel:
 
 
 def gloo_tp_all_reduce(group: object) -> TPGroup:
-    """The in-place SUM all-reduce of a gloo process group (``GlooConsensus.group``)."""
+    """The in-place SUM all-reduce of a process group (gloo on CPU, NCCL on CUDA)."""
     import torch.distributed as dist
 
     opts = dist.AllreduceOptions()

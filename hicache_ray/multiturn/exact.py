@@ -24,7 +24,7 @@ def recompute(model: ModelConfig, tokens: list[int], max_new_tokens: int) -> lis
     runtime.submit(GenerateRequest("reference", tokens, max_new_tokens))
     try:
         while True:
-            for result in runtime.step():
+            for result in runtime.step().results:
                 if result.error is not None:
                     raise ValueError(f"the reference run refused the prompt: {result.error}")
                 return result.output_tokens

@@ -79,6 +79,13 @@ def test_tp2_conversation_continues_on_tp4(launch: Any, store: str) -> None:
     assert turn2.output_tokens == own.output_tokens == recompute(follow, 8)
 
 
+def test_tp4_conversation_continues_on_tp1(launch: Any, store: str) -> None:
+    tp4 = launch("h4-tp4", store, tp=4)
+    tp1 = launch("h4-tp1", store)
+    follow, turn2 = _continue(tp4, tp1, seed=25)
+    assert turn2.output_tokens == recompute(follow, 8)  # TP=1's own full recompute
+
+
 def test_pp2_conversation_continues_on_pp1(launch: Any, store: str) -> None:
     pp2 = launch("h-pp2", store, pp=2)
     pp1 = launch("h-pp1", store)
