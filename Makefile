@@ -5,8 +5,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU build of torch lies on this machine's disk; GPU users install their own torch first
-# (any torch already in .venv is kept).
+# (any torch already in .venv is kept: every install below is constrained to it).
 TORCH_SPEC ?= torch==2.13.0
+# SGLang for the storage-backend tests, without its (CUDA) dependencies: only the modules
+# its storage interface, host pools and key scheme import on CPU (torchvision, whose PyPI
+# wheels need a CUDA torch, is replaced by a stand-in in tests/integrations).
+SGLANG_TEST := sglang==0.5.23 orjson pybase64 triton pyzmq dill apache-tvm-ffi==0.1.11 \
+	sentencepiece compressed-tensors loguru gguf IPython traitlets
 
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
@@ -16,11 +21,13 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt --no-deps $(SGLANG_TEST)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -36,7 +36,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -52,6 +52,7 @@ from hicache_ray.request import (
     GenerateRequest,
     RequestError,
     RequestResult,
+    StreamChunk,
     check_batch,
     check_limits,
     check_request,
@@ -254,10 +255,81 @@ class Deployment:
             f"request failed after {self.config.max_retries} retries: {_describe(cause)}"
         ) from cause
 
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Run ``request``, yielding its tokens as the ranks make them, then a last chunk with
+        its result. After a rank failure the request runs again in the re-formed ranks and
+        the tokens already yielded are not yielded twice (runs are deterministic: greedy,
+        or seeded). Closing the iterator early aborts the request.
+
+        Raises:
+            DeploymentError: shut down, a retried run diverged, or no retry left.
+        """
+        try:
+            checked = self._check(request)
+        except RequestError as exc:
+            yield StreamChunk(tokens=[], result=error_result(request, str(exc)))
+            return
+        loop = asyncio.get_running_loop()
+        emitted: list[int] = []
+        cause: BaseException | None = None
+        for attempt in range(self.config.max_retries + 1):
+            self._check_open()
+            try:
+                generation, rank0 = await loop.run_in_executor(self._executor, self._serving)
+            except _ReformFailed as exc:
+                cause = exc.__cause__ or exc
+                continue
+            done = False
+            try:
+                seen = 0
+                async for chunk in self._chunks(rank0.generate_stream.remote(checked)):
+                    skip = max(0, len(emitted) - seen)
+                    if chunk.tokens[:skip] != emitted[seen : seen + skip]:
+                        raise DeploymentError(f"request {checked.rid!r}: a retried run diverged")
+                    seen += len(chunk.tokens)
+                    fresh = chunk.tokens[skip:]
+                    emitted += fresh
+                    done = chunk.result is not None
+                    if fresh or done:
+                        yield StreamChunk(tokens=fresh, result=chunk.result)
+                    if done:
+                        return
+            except (RayActorError, RayTaskError) as exc:
+                if not _is_rank_failure(exc):
+                    raise
+                self._check_open()
+                cause = exc
+            finally:
+                if not done and not self._closed.is_set() and cause is None:
+                    rank0.abort.remote(checked.rid)  # the caller stopped listening
+            if attempt < self.config.max_retries:
+                self._check_open()
+                try:
+                    await loop.run_in_executor(self._executor, self._reform, generation, cause)
+                except _ReformFailed as exc:
+                    cause = exc.__cause__ or exc
+            else:
+                self._mark_broken(generation, cause)
+        raise DeploymentError(
+            f"request failed after {self.config.max_retries} retries: {_describe(cause)}"
+        ) from cause
+
+    async def _chunks(self, stream: Any) -> AsyncIterator[StreamChunk]:
+        async for ref in stream:
+            chunk: StreamChunk = await self._get_async(ref)
+            yield chunk
+
+    def abort(self, rid: str) -> None:
+        """Stop request ``rid`` at the ranks' next step (its result says ``abort``)."""
+        ranks = self._ranks()
+        if ranks:
+            ranks[0].abort.remote(rid)
+
     def _check(self, request: object) -> GenerateRequest:
         checked = check_request(request)
         capacity = self.config.cache.memory.num_device_pages * self.config.cache.page_size
-        check_limits(checked, self.config.model.vocab_size, capacity)
+        model = self.config.model
+        check_limits(checked, model.vocab_size, capacity, model.max_context)
         return checked
 
     # ------------------------------------------------------------ inspection

@@ -241,8 +241,8 @@ class RankActor:
             if self._stopped is not None:
                 raise RankFailure(f"rank {self.rank} stopped: {self._stopped}")
             if checked.rid in self._waiters:
-                error = f"rid: request id {checked.rid!r} is already in flight"
-                return RequestResult(rid=checked.rid, error=error, finish_reason="error")
+                in_flight = f"rid: request id {checked.rid!r} is already in flight"
+                return error_result(checked, in_flight)
             self._waiters[checked.rid] = waiter
             self._inbox.append(checked)
         if self._loop is not None:

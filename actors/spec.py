@@ -15,6 +15,7 @@ from hicache_ray.errors import ConfigError
 from hicache_ray.keys import describe_sharing, plan_objects
 from hicache_ray.layout import Shard, ShardKV, host_pool_pages
 from hicache_ray.model import ModelConfig, preset
+from hicache_ray.model.checkpoint import resolve_model
 
 __all__ = ["DeploymentConfig"]
 
@@ -25,7 +26,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         name: names its placement groups (``{name}-pp{stage}``) and tags its metrics;
             unique among the deployments running in one cluster.
-        model: the model (the reference model's config; every rank draws the same weights).
+        model: the model: a :class:`ModelConfig`, or a preset name or the path of a Hugging
+            Face checkpoint directory (resolved here; every rank loads the same weights).
         tp_size, pp_size: tensor- and pipeline-parallel sizes; rank = pp * tp_size + tp.
         cache: every rank's cache settings (pools, write and prefetch policies, L3).
         scheduler: how ranks batch requests (step token budget, running and queue bounds).
@@ -65,6 +67,21 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     reuse_prefix: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, str):  # a preset name or a checkpoint directory
+            msgspec.structs.force_setattr(self, "model", resolve_model(self.model))
+        storage = self.cache.storage
+        if storage.backend != "none" and self.model.checkpoint and not storage.model_revision:
+            # L3 pages of a checkpoint are named by it (its directory name unless a model id
+            # is given) and by its revision, so another checkpoint never shares them
+            named = msgspec.structs.replace(
+                storage,
+                model_id=storage.model_id or self.model.name,
+                model_revision=self.model.revision,
+            )
+            msgspec.structs.force_setattr(
+                self, "cache", msgspec.structs.replace(self.cache, storage=named)
+            )
+        self.cache.storage.check_model_id()
         check_types(self)
         if not is_plain_name(self.name):
             raise ConfigError("name", self.name, "not a plain name", "use letters, digits, - and _")

@@ -92,6 +92,43 @@ def _stats(args: argparse.Namespace) -> int:
     return 1 if unhealthy else 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from actors.openai_app import build_app
+    from actors.serve_config import SERVE_OPTIONS
+
+    options = {k: str(v) for k in SERVE_OPTIONS if (v := getattr(args, k)) is not None}
+    if args.served_name:
+        options["served_name"] = args.served_name
+    options["keep_store"] = str(args.keep_store)
+    app = build_app(options)  # a bad option fails here, before anything starts
+    started = not ray.is_initialized()
+    if started:
+        if args.address:
+            ray.init(address=args.address, log_to_driver=False)
+        else:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="hicache-openai", route_prefix="/")
+        _log(f"serving {options['model']} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+        stop.wait()
+        _log("shutting down")
+    finally:
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        if started:
+            ray.shutdown()
+    return 0
+
+
 def _store(args: argparse.Namespace) -> int:
     import json
 
@@ -181,6 +218,27 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", metavar="PATH", help="also write the JSON here")
     stats.add_argument("--timeout", type=float, default=10.0, help="seconds per actor")
     stats.set_defaults(func=_stats)
+
+    from actors.serve_config import SERVE_OPTIONS
+
+    serve_cmd = sub.add_parser(
+        "serve", help="an OpenAI-compatible server (Ray Serve) for a checkpoint or a preset"
+    )
+    for name, (default, text) in SERVE_OPTIONS.items():
+        flag = "--" + name.replace("_", "-")
+        serve_cmd.add_argument(
+            flag,
+            dest=name,
+            default=None,
+            required=name == "model",
+            help=f"{text} (default: {default})" if default else text,
+        )
+    serve_cmd.add_argument("--served-name", default="", help="model name clients use")
+    serve_cmd.add_argument("--keep-store", action="store_true", help="keep the L3 store at exit")
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port")
+    serve_cmd.add_argument("--address", default="", help="Ray cluster (default: a local Ray)")
+    serve_cmd.set_defaults(func=_serve)
 
     store = sub.add_parser("store", help="list, clear or drop the ray L3 stores of a cluster")
     store_sub = store.add_subparsers(dest="action", required=True)

@@ -359,7 +359,8 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
         batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch.
         key_scheme: ``unified`` (SGLang's topology-free keys, shared across TP and PP
             sizes) or ``rank-suffix``.
-        model_id: model name in the namespace; required with a backend.
+        model_id: model name in the namespace; required with a backend (a deployment of a
+            checkpoint fills it, and ``model_revision``, from the checkpoint).
         model_revision: model revision (weights change -> different pages); it becomes
             part of the namespace's model id (``{model_id}@{revision}``).
         tenant_salt: seeds the page-hash chain (SGLang's ``cache_salt``), so tenants never
@@ -399,16 +400,19 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
         _check_sizes("share_tp", self.share_tp)
         _check_sizes("share_pp", self.share_pp)
         _check_backend_name(self.backend)
+        if self.backend == "file" and not self.file.root:
+            raise ConfigError(
+                "file.root", self.file.root, "empty", "give a directory or a URI such as s3://b/p"
+            )
+
+    def check_model_id(self) -> None:
+        """Raise ``ConfigError`` when a backend is on and no model id names the pages."""
         if self.backend != "none" and not self.model_id:
             raise ConfigError(
                 "model_id",
                 self.model_id,
                 f"empty while storage backend {self.backend!r} is on",
                 "name the model (e.g. its hub id) so pages of different models never mix",
-            )
-        if self.backend == "file" and not self.file.root:
-            raise ConfigError(
-                "file.root", self.file.root, "empty", "give a directory or a URI such as s3://b/p"
             )
 
     @property

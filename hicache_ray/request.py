@@ -100,6 +100,8 @@ class RequestResult(msgspec.Struct, kw_only=True):
         finish_reason: ``length``, ``stop``, ``abort`` or ``error``.
         error: why the request was refused or failed (nothing else is set then), as
             ``field: problem`` for a bad request.
+        error_kind: ``invalid`` (the request itself), ``overloaded`` (refused for now:
+            the queue is full) or ``internal`` (it failed while running).
     """
 
     rid: str
@@ -116,6 +118,7 @@ class RequestResult(msgspec.Struct, kw_only=True):
     queue_s: float = 0.0
     finish_reason: str = "length"
     error: str | None = None
+    error_kind: str | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -264,10 +267,12 @@ def check_limits(
         )
 
 
-def error_result(request: object, error: str) -> RequestResult:
+def error_result(request: object, error: str, kind: str = "invalid") -> RequestResult:
     """An error result for ``request`` (whatever it is)."""
     rid = getattr(request, "rid", "")
-    return RequestResult(rid=rid if type(rid) is str else "", error=error)
+    return RequestResult(
+        rid=rid if type(rid) is str else "", error=error, finish_reason="error", error_kind=kind
+    )
 
 
 def check_batch(requests: object) -> Sequence[object]:

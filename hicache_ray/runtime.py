@@ -132,9 +132,7 @@ class RankRuntime:
             return
         refused = self.admission.offer(checked, time.perf_counter())
         if refused is not None:
-            self._out.results.append(
-                RequestResult(rid=checked.rid, error=refused, finish_reason="error")
-            )
+            self._out.results.append(error_result(checked, refused, "overloaded"))
 
     def abort(self, rid: str) -> None:
         """Stop request ``rid`` (rank 0): it ends at the next step with ``finish_reason``
@@ -204,9 +202,7 @@ class RankRuntime:
         except msgspec.DecodeError as exc:  # the same bytes on every rank: all refuse it
             self.ctl.cancel(a.rid)
             self._finish_admission(a.rid)
-            self._out.results.append(
-                RequestResult(rid=a.rid, error=f"request options: {exc}", finish_reason="error")
-            )
+            self._out.results.append(error_result(a, f"request options: {exc}"))
             return
         request = GenerateRequest(a.rid, a.tokens, options.max_new_tokens, options.sampling)
         received = self.admission.received_at(a.rid, now)
@@ -360,8 +356,8 @@ class RankRuntime:
             raise
         except Exception as exc:
             log.exception("request %s failed on rank %d", rids[0], self.ctl.consensus.rank)
-            error = f"{type(exc).__name__}: {exc}"
-            self._drop(rids[0], RequestResult(rid=rids[0], error=error, finish_reason="error"))
+            error = error_result(Arrival(rids[0], [0]), f"{type(exc).__name__}: {exc}", "internal")
+            self._drop(rids[0], error)
             self.ctl.agree_failure(ordinal)
 
     def _drop(self, rid: str, result: RequestResult, *, keep_output: bool = False) -> None:

@@ -165,7 +165,8 @@ def make_namespace(
     model: ModelKV, grid: Grid, page_size: int, storage: StorageConfig
 ) -> KVCacheNamespace:
     """The namespace of ``model``'s pages on ``grid`` under ``storage``'s model identity."""
-    if not storage.model_id:
+    storage.check_model_id()
+    if not storage.model_id:  # a plan without a backend (tests) still needs a namespace
         raise ConfigError(
             "model_id", "", "empty", "name the model so pages of different models never mix"
         )

@@ -47,8 +47,9 @@ def create_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
     """The backend ``config.backend`` names, for this rank's ``plan``.
 
     Raises:
-        ConfigError: no backend is registered under that name.
+        ConfigError: no backend is registered under that name, or no model id is set.
     """
+    config.check_model_id()
     factory = _REGISTRY.get(config.backend)
     if factory is None:
         raise ConfigError(

@@ -86,7 +86,9 @@ class _Client:
         return str(ray.get_runtime_context().get_node_id())
 
     def put(self, n: int) -> int:
-        return self.backend.put(page_keys(self.plan, n), make_pages(self.plan, n))
+        stored = self.backend.put(page_keys(self.plan, n), make_pages(self.plan, n))
+        self.backend.flush()  # the shards own them now: they outlive this writer
+        return stored
 
     def read_back(self, n: int) -> bool:
         out = empty_buffers(self.plan, n)

@@ -1,0 +1,89 @@
+"""The deployment behind ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``,
+from their string options (checked here: a bad value is a ``ConfigError`` naming it)."""
+
+from __future__ import annotations
+
+import os
+
+from actors.spec import DeploymentConfig
+from hicache_ray.config import (
+    CacheConfig,
+    FileStorageOptions,
+    MemoryConfig,
+    RayStorageOptions,
+    SchedulerConfig,
+    StorageConfig,
+)
+from hicache_ray.errors import ConfigError
+from hicache_ray.model.checkpoint import resolve_model
+
+__all__ = ["SERVE_OPTIONS", "serve_deployment_config"]
+
+# option -> (default, help); every value arrives as a string
+SERVE_OPTIONS: dict[str, tuple[str, str]] = {
+    "model": ("", "a preset (tiny, tiny4, bench: random weights) or a checkpoint directory"),
+    "tp": ("1", "tensor-parallel size"),
+    "pp": ("1", "pipeline-parallel size"),
+    "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
+    "storage_root": ("", "directory or URI of the file backend"),
+    "store": ("", "name of the ray L3 store (default: serve-<model>)"),
+    "device_tokens": ("16384", "L1 (device pool) tokens per rank"),
+    "host_ratio": ("2.0", "L2 (host pool) size as a multiple of L1"),
+    "page_size": ("16", "tokens per KV page"),
+    "max_queued": ("1024", "requests waiting to start before more are refused (503)"),
+    "cpus_per_rank": ("1", "CPUs each rank reserves"),
+    "gpus_per_rank": ("0", "GPUs each rank reserves (1 on GPU clusters)"),
+}
+
+
+def _number(name: str, value: str, kind: type[int] | type[float]) -> float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(
+            name,
+            value,
+            f"not {'an integer' if kind is int else 'a number'}",
+            f"give a {kind.__name__}",
+        ) from None
+
+
+def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
+    """The :class:`~actors.spec.DeploymentConfig` of the serve options ``args``."""
+    unknown = set(args) - set(SERVE_OPTIONS) - {"served_name", "keep_store"}
+    if unknown:
+        raise ConfigError(
+            "serve", sorted(unknown), "unknown options", f"use {sorted(SERVE_OPTIONS)}"
+        )
+    opts = {k: args.get(k, default) for k, (default, _) in SERVE_OPTIONS.items()}
+    if not opts["model"]:
+        raise ConfigError("model", "", "missing", "give a preset name or a checkpoint directory")
+    model = resolve_model(opts["model"])
+    backend = opts["storage"]
+    if backend not in ("ray", "file", "none"):
+        raise ConfigError("storage", backend, "unknown backend", "use ray, file or none")
+    store = opts["store"] or f"serve-{model.name}".replace(".", "-")
+    storage = StorageConfig(
+        backend=backend,
+        model_id=model.name if not model.checkpoint else "",
+        ray=RayStorageOptions(name="".join(c if c.isalnum() or c in "-_" else "-" for c in store)),
+        file=FileStorageOptions(root=opts["storage_root"]),
+    )
+    cache = CacheConfig(
+        memory=MemoryConfig(
+            page_size=int(_number("page_size", opts["page_size"], int)),
+            device_tokens=int(_number("device_tokens", opts["device_tokens"], int)),
+            hicache_ratio=float(_number("host_ratio", opts["host_ratio"], float)),
+        ),
+        storage=storage,
+    )
+    return DeploymentConfig(
+        name=f"openai-{os.getpid()}",
+        model=model,
+        tp_size=int(_number("tp", opts["tp"], int)),
+        pp_size=int(_number("pp", opts["pp"], int)),
+        cache=cache,
+        scheduler=SchedulerConfig(max_queued=int(_number("max_queued", opts["max_queued"], int))),
+        cpus_per_rank=float(_number("cpus_per_rank", opts["cpus_per_rank"], float)),
+        gpus_per_rank=int(_number("gpus_per_rank", opts["gpus_per_rank"], int)),
+    )

@@ -1,0 +1,175 @@
+"""The OpenAI-compatible Serve app over a real (tiny, random) Qwen3 checkpoint, driven with
+the official ``openai`` client on 127.0.0.1: models, a multi-turn chat whose follow-up
+reports cached tokens, streaming, completions, and every error status."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.model.hf_util import make_checkpoint
+from tests.ray_util import ensure_local_ray
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+ray = pytest.importorskip("ray")
+
+STORE = "openai-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    from ray import serve
+
+    from actors.openai_app import build_app
+    from actors.stores import store_exists
+
+    ensure_local_ray()
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp("openai") / "qwen3", "qwen3")
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "model": str(checkpoint),
+        "tp": "2",
+        "device_tokens": "1024",
+        "page_size": "4",
+        "max_queued": "1",
+        "store": STORE,
+    }
+    try:
+        serve.run(build_app(args), name="openai", route_prefix="/")
+        yield port, checkpoint
+    finally:
+        serve.shutdown()
+    assert not store_exists(STORE)  # the app dropped its L3 store when it shut down
+
+
+def _client(port: int) -> Any:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_a_multi_turn_chat_with_cached_tokens(server: tuple[int, Path]) -> None:
+    port, _ = server
+    client = _client(port)
+    assert [m.id for m in client.models.list().data] == ["qwen3"]
+    messages = [{"role": "user", "content": "hello world what is the cache"}]
+    first = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=12)
+    answer = first.choices[0].message
+    assert answer.role == "assistant" and first.choices[0].finish_reason in ("length", "stop")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": answer.content},
+        {"role": "user", "content": "why is ray fast"},
+    ]
+    second = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=8)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 8 and cached % 4 == 0  # the first turn's prompt pages came from cache
+    assert second.usage.total_tokens == second.usage.prompt_tokens + second.usage.completion_tokens
+
+
+def test_streaming_gives_the_same_text(server: tuple[int, Path]) -> None:
+    port, _ = server
+    client = _client(port)
+    messages = [{"role": "user", "content": "what is a kv page"}]
+    whole = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=10)
+    stream = client.chat.completions.create(
+        model="qwen3",
+        messages=messages,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, reasons, used = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            used = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert reasons[-1] == whole.choices[0].finish_reason and used is not None
+    assert used.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_with_text_token_ids_and_stop(server: tuple[int, Path]) -> None:
+    port, _ = server
+    client = _client(port)
+    text = client.completions.create(model="qwen3", prompt="the cache is", max_tokens=6)
+    assert text.object == "text_completion" and text.usage.prompt_tokens == 3
+    ids = client.completions.create(model="qwen3", prompt=[9, 10, 11], max_tokens=6)
+    assert ids.choices[0].text == text.choices[0].text  # the same tokens
+    words = text.choices[0].text.split()
+    if words:  # stop at the first generated word: nothing of it or after it comes back
+        stopped = client.completions.create(
+            model="qwen3", prompt="the cache is", max_tokens=6, stop=[words[0]]
+        )
+        assert (
+            stopped.choices[0].finish_reason == "stop" and words[0] not in stopped.choices[0].text
+        )
+
+
+def _post(port: int, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_every_error_status(server: tuple[int, Path]) -> None:
+    port, _ = server
+    client = _client(port)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="qwen3", messages=[{"role": "user", "content": "hi"}], temperature="hot"
+        )
+    assert "temperature" in bad.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="qwen3", prompt=list(range(5, 25)) * 30, max_tokens=4)
+    assert long.value.code == "context_length_exceeded"
+    status, body = _post(
+        port, "/v1/completions", b'{"model": "qwen3", "prompt": "' + b"a " * (3 << 20) + b'"}'
+    )
+    assert status == 413 and body["error"]["code"] == "too_large"
+    for raw in (
+        b"not json",
+        b'{"model": "qwen3"}',
+        b'{"model": "qwen3", "prompt": [1.5]}',
+        b'{"model": "qwen3", "prompt": "x", "max_tokens": "4"}',
+        b'{"model": "qwen3", "prompt": "x", "n": 2}',
+    ):
+        status, body = _post(port, "/v1/completions", raw)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", raw
+    status, _ = _post(port, "/v1/nothing", b"{}")
+    assert status == 404
+
+    # overloaded: two requests fit the pool at once and one more may wait; the rest are 503
+    def one(i: int) -> int:
+        try:
+            client.completions.create(model="qwen3", prompt=[5, 6, 7 + i], max_tokens=400)
+        except openai.APIStatusError as exc:
+            return int(exc.status_code)
+        return 200
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(one, range(8)))
+    assert statuses.count(503) >= 3 and statuses.count(200) >= 2, statuses
