@@ -42,6 +42,7 @@ from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
     CorruptPage,
+    ReadOut,
     copy_hashed,
     header_length,
 )
@@ -222,7 +223,7 @@ class RayObjects(ObjectStore):
                 return errors[: i + 1]
         return errors
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
         # NOTE: each shard's pages are fetched and copied as soon as its answer arrives,
         # while the other shards' answers are still on their way, in one job per copy
         # thread (a future per page cost more than its copy). Copies may so run past a key
@@ -394,14 +395,14 @@ def _spread(answer: Any, n: int) -> list[Any]:
 
 
 def _copy_items(
-    todo: list[tuple[int, list[Any], int, memoryview]], into: dict[int, ReadOutcome]
+    todo: list[tuple[int, list[Any], int, ReadOut]], into: dict[int, ReadOutcome]
 ) -> None:
     """On a copy thread: each page's outcome into ``into`` (a dict: one writer per key)."""
     for i, obj, item, out in todo:
         into[i] = _copy_item(obj, item, out)
 
 
-def _copy_item(obj: list[Any], item: int, out: memoryview) -> ReadOutcome:
+def _copy_item(obj: list[Any], item: int, out: ReadOut) -> ReadOutcome:
     """Header body and payload checksum of one stored page, its payload copied into ``out``."""
     framed, payload = obj[item], obj[item + 1]
     try:

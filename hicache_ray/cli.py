@@ -17,7 +17,13 @@ from collections.abc import Sequence
 import torch
 
 from hicache_ray.bench.report import Figure, Report, machine_info
-from hicache_ray.cli_experiments import _DEMO_HELP, add_experiment_flags, run_experiment
+from hicache_ray.cli_experiments import (
+    _DEMO_HELP,
+    add_experiment_flags,
+    add_serve_bench_flags,
+    run_experiment,
+    run_serve_bench_cli,
+)
 from hicache_ray.memory import default_device
 
 __all__ = ["main"]
@@ -46,12 +52,20 @@ def _bench_storage(args: argparse.Namespace) -> int:
     from hicache_ray.bench.storage import StorageBenchOptions, run_storage_bench
 
     base = StorageBenchOptions.quick() if args.quick else StorageBenchOptions()
+    backends = tuple(args.backend or base.backends)
     opts = dataclasses.replace(
-        base, backends=tuple(args.backend or base.backends), root=args.root or ""
+        base, backends=tuple(b for b in backends if b != "sglang"), root=args.root or ""
     )
     torch.set_num_threads(args.threads)
     figures = run_storage_bench(opts, _log)
-    return _finish(args, "bench storage", dataclasses.asdict(opts), figures)
+    config: dict[str, object] = dataclasses.asdict(opts)
+    if "sglang" in backends:
+        from hicache_ray.bench.sglang_storage import SGLangBenchOptions, run_sglang_bench
+
+        sglang = SGLangBenchOptions.quick() if args.quick else SGLangBenchOptions()
+        figures += run_sglang_bench(sglang, _log)
+        config["sglang"] = dataclasses.asdict(sglang)
+    return _finish(args, "bench storage", config, figures)
 
 
 def _bench_runtime(args: argparse.Namespace) -> int:
@@ -267,8 +281,9 @@ def _parser() -> argparse.ArgumentParser:
     storage.add_argument(
         "--backend",
         action="append",
-        choices=["memory", "file", "ray"],
-        help="repeatable; default memory and file (ray starts a local Ray if none runs)",
+        choices=["memory", "file", "ray", "sglang"],
+        help="repeatable; default memory and file (ray and sglang start a local Ray if none "
+        "runs; sglang: the SGLang backend on the ray store, needs sglang installed)",
     )
     storage.add_argument("--root", help="file backend root (directory or URI); default a temp dir")
     storage.add_argument("--quick", action="store_true", help="small pages, for smoke tests")
@@ -276,6 +291,11 @@ def _parser() -> argparse.ArgumentParser:
     mt = bench_sub.add_parser("multiturn", help="multi-turn chat per cache mode vs an LRU oracle")
     add_experiment_flags(mt, demo=False)
     mt.set_defaults(func=lambda a: run_experiment(a, False, _finish, _log))
+    serve = bench_sub.add_parser(
+        "serve", help="clients under load per cache mode: throughput, TTFT, ITL, batching, overload"
+    )
+    add_serve_bench_flags(serve)
+    serve.set_defaults(func=lambda a: run_serve_bench_cli(a, _finish, _log))
     faults = bench_sub.add_parser("faults", help="fault scenarios: wrong/failed requests, recovery")
     faults.add_argument("--json", metavar="PATH", help="write the report (schema in README)")
     faults.add_argument("--scenarios", help="comma-separated subset (default: all)")

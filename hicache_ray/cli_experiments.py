@@ -121,3 +121,49 @@ def run_experiment(
             log("matplotlib is not installed: no plot")
     wrong = next(f for f in figures if f.name == "multiturn.exactness.wrong_outputs")
     return status or (1 if wrong.value else 0)
+
+
+def add_serve_bench_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of ``bench serve``; unset ones take :class:`ServeOptions`' defaults (or, with
+    ``--quick``, the quick run's), so ``--quick`` never overrides an explicit flag."""
+    p.add_argument("--json", metavar="PATH", help="write the report (schema in README)")
+    p.add_argument("--png", metavar="PATH", help="plot path (default: the JSON path as .png)")
+    p.add_argument("--quick", action="store_true", help="a small run on the tiny4 model (tests)")
+    p.add_argument("--clients", type=int, help="concurrent conversations [16; quick 4]")
+    p.add_argument("--rounds", type=int, help="turns per conversation [4; quick 2]")
+    p.add_argument("--rate", type=float, help="turns released per second; 0: closed loop [0]")
+    p.add_argument("--modes", help="comma-separated subset of none,l1_l2,l1_l2_l3 [all]")
+    p.add_argument("--model", help="reference model preset [bench; quick tiny4]")
+    p.add_argument("--tp", type=int, help="TP size of every deployment [1]")
+
+
+def run_serve_bench_cli(
+    args: argparse.Namespace,
+    finish: Callable[[argparse.Namespace, str, dict[str, object], list[Any]], int],
+    log: Callable[[str], None],
+) -> int:
+    from actors.serve_bench import SERVE_MODES, ServeOptions, run_serve_bench
+    from hicache_ray.bench.serve_plot import plot_serve
+
+    opts = ServeOptions.quick() if args.quick else ServeOptions()
+    exp = opts.experiment
+    overrides = {
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "model": args.model,
+        "tp_size": args.tp,
+    }
+    exp = dataclasses.replace(exp, **{k: v for k, v in overrides.items() if v is not None})
+    modes = tuple(args.modes.split(",")) if args.modes else opts.modes
+    unknown = sorted(set(modes) - set(SERVE_MODES))
+    if unknown:
+        raise SystemExit(f"hicache-ray bench serve: unknown modes {unknown}; use {SERVE_MODES}")
+    opts = dataclasses.replace(
+        opts, experiment=exp, modes=modes, rate=opts.rate if args.rate is None else args.rate
+    )
+    figures = run_serve_bench(opts, log)
+    status = finish(args, "bench serve", dataclasses.asdict(opts), figures)
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        log(f"wrote {png}" if plot_serve(figures, modes, png) else "no matplotlib: no plot")
+    return status

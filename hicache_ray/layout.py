@@ -123,12 +123,14 @@ class ShardKV(msgspec.Struct, frozen=True, kw_only=True):
     """The KV one rank holds: its heads and layers, and the byte sizes that follow.
 
     ``kv_slots`` is 2 (K and V) for MHA/GQA and 1 (the latent) for MLA; ``local_heads`` and
-    ``slot_dim`` describe one slot of one token of one layer.
+    ``slot_dim`` describe one slot of one token of one layer. ``layers`` pins this stage's
+    ``[first, end)`` layers when another engine split the model (default: our split).
     """
 
     model: ModelKV
     shard: Shard
     page_size: int
+    layers: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -168,6 +170,8 @@ class ShardKV(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def layer_range(self) -> tuple[int, int]:
         """[first, end) layers of this PP stage (see :func:`stage_layers`)."""
+        if self.layers is not None:
+            return self.layers
         return stage_layers(self.model.num_layers, self.shard.pp_size, self.shard.pp_rank)
 
     @property

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 
 from hicache_ray.config import Fault
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
+from hicache_ray.storage.page_format import ReadOut, flip_byte
 
 __all__ = ["FaultyObjects", "InjectedFault"]
 
@@ -81,12 +82,12 @@ class FaultyObjects(ObjectStore):
             out.append(self._failure("size"))
         return out
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
         kinds, fail_at = self._plan("read", len(keys))
         found = list(self.inner.read_many(keys[:fail_at], outs[:fail_at])) if fail_at else []
         for i, outcome in enumerate(found):
             if isinstance(outcome, tuple) and "corrupt" in kinds[i] and outs[i].nbytes:
-                outs[i][outs[i].nbytes // 2] ^= 0xFF  # as if the medium returned a flipped byte
+                flip_byte(outs[i])  # as if the medium returned a flipped byte
                 found[i] = outcome[0], None  # the caller hashes what it got
         if len(found) == fail_at < len(keys) and all(isinstance(o, tuple) for o in found):
             found.append(self._failure("read"))

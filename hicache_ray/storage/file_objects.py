@@ -32,6 +32,8 @@ from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome, s
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
     CorruptPage,
+    ReadOut,
+    StridedOut,
     checksum,
     header_length,
 )
@@ -90,7 +92,7 @@ class FileObjects(ObjectStore):
                 break
         return out
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
         jobs = iter(zip(keys, outs, strict=True))
         running: deque[Future[ReadOutcome]] = deque()
 
@@ -165,10 +167,11 @@ class FileObjects(ObjectStore):
             self._remove_quietly(tmp)
             raise
 
-    def _read_one(self, key: str, out: memoryview) -> ReadOutcome:
-        """On a reader thread: one object into ``out``, hashed while still in cache."""
+    def _read_one(self, key: str, out: ReadOut) -> ReadOutcome:
+        """On a reader thread: one object into ``out``, hashed while still in cache (a
+        strided ``out`` gets the object read whole, then copied in)."""
         try:
-            if not self.local:
+            if not self.local or isinstance(out, StridedOut):
                 with self.fs.open_input_file(self._path(key)) as f:
                     return split_object(f.read(), out)
             with self.fs.open_input_file(self._path(key)) as f:

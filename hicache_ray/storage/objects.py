@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
     CorruptPage,
+    ReadOut,
     copy_hashed,
     header_length,
 )
@@ -48,11 +49,12 @@ class ObjectStore(ABC):
         and with ``leading`` (what ``exists`` needs) after the first absent one too."""
 
     @abstractmethod
-    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
-        """Read the leading objects, each payload into its ``out``; stops after the first
-        key that is absent or fails. A payload not exactly ``len(out)`` bytes long, or a
-        malformed frame, is a :class:`CorruptPage` in its place. Returns once nothing
-        touches ``outs`` any more."""
+    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+        """Read the leading objects, each payload into its ``out`` (contiguous bytes, or a
+        :class:`StridedOut`: the payload's place in a buffer laid out otherwise); stops
+        after the first key that is absent or fails. A payload not exactly ``out.nbytes``
+        long, or a malformed frame, is a :class:`CorruptPage` in its place. Returns once
+        nothing touches ``outs`` any more."""
 
     @abstractmethod
     def write_many(
@@ -76,7 +78,7 @@ class ObjectStore(ABC):
         """Release resources; safe to call twice."""
 
 
-def split_object(data: bytes | memoryview, out: memoryview) -> tuple[bytes, str]:
+def split_object(data: bytes | memoryview, out: ReadOut) -> tuple[bytes, str]:
     """Header and payload checksum of a whole framed object in memory; payload into ``out``."""
     view = memoryview(data)
     start = PREFIX_BYTES + header_length(view[:PREFIX_BYTES])
@@ -105,7 +107,7 @@ class MemoryObjects(ObjectStore):
                     break
         return out
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[ReadOutcome]:
+    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
         found: list[ReadOutcome] = []
         for key, out in zip(keys, outs, strict=True):
             with self._lock:

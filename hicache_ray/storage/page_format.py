@@ -36,8 +36,12 @@ __all__ = [
     "PREFIX_BYTES",
     "CorruptPage",
     "PageHeader",
+    "ReadOut",
+    "StridedOut",
     "checksum",
+    "checksum_of",
     "copy_hashed",
+    "flip_byte",
     "encode_header",
     "framed_size",
     "header_length",
@@ -74,12 +78,58 @@ _decoder = msgspec.msgpack.Decoder(PageHeader)
 CHUNK_BYTES = 512 * 1024
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class StridedOut:
+    """A read's destination that is not contiguous: an object's place in a buffer laid out
+    otherwise (a page of an SGLang host pool). A read copies the payload, in object order,
+    into it in one strided pass and hashes the payload it copied from, so nothing is
+    staged; stores use it only for payloads that cannot change while read (objects in
+    memory or in the Ray object store)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            raise ValueError(f"a read lands in host memory, not on {tensor.device}")
+        self.tensor = tensor
+        self.array: np.ndarray = tensor.view(_INTS[tensor.element_size()]).numpy()
+        self.nbytes = tensor.numel() * tensor.element_size()
+
+    def fill(self, src: memoryview | bytes) -> str:
+        """Copy ``src`` in (numpy copies without the GIL); the checksum of ``src``."""
+        source = np.frombuffer(src, dtype=self.array.dtype).reshape(self.array.shape)
+        np.copyto(self.array, source)
+        return checksum(src)
+
+    def contents(self) -> bytes:
+        """What it holds, in object order."""
+        return np.ascontiguousarray(self.array).tobytes()
+
+
+ReadOut = memoryview | StridedOut
+
+
 def checksum(payload: memoryview | bytes) -> str:
     return xxhash.xxh3_128_hexdigest(payload)
 
 
-def copy_hashed(src: memoryview, out: memoryview) -> str:
+def checksum_of(out: ReadOut) -> str:
+    """The checksum of what a read destination holds."""
+    return checksum(out.contents() if isinstance(out, StridedOut) else out)
+
+
+def flip_byte(out: ReadOut) -> None:
+    """Corrupt one byte in the middle of ``out`` (fault injection: a medium's bit rot)."""
+    if isinstance(out, StridedOut):
+        out.array[np.unravel_index(out.array.size // 2, out.array.shape)] ^= 0x5A
+    else:
+        out[out.nbytes // 2] ^= 0xFF
+
+
+def copy_hashed(src: memoryview, out: ReadOut) -> str:
     """Copy ``src`` into ``out`` (same size) chunk by chunk; the checksum of the copy."""
+    if isinstance(out, StridedOut):
+        return out.fill(src)
     h = xxhash.xxh3_128()
     # numpy copies without the GIL (a memoryview slice assignment holds it), so reads on
     # several threads copy in parallel.

@@ -4,8 +4,9 @@ What is checked where:
 
 * **The caller's input** (every method): keys must be ``str`` of the key grammar
   (:func:`~hicache_ray.keys.check_keys`), so none can name a path outside the store; the
-  buffers of ``get`` and the pages of ``put`` must be contiguous CPU tensors of exactly the
-  dtype and shape the plan gives their key. A mismatch is the caller's mistake: a
+  buffers of ``get`` and the pages of ``put`` must be CPU tensors of exactly the dtype and
+  shape the plan gives their key, the pages contiguous (a buffer may be a strided view:
+  its place in a pool laid out otherwise, filled in one pass). A mismatch is the caller's mistake: a
   ``ValueError`` naming what was expected and what came, raised before any I/O, counted in
   ``refused_pages``; nothing is read, written or deleted.
 * **The stored object** (``get``): frame, format version, namespace digest, key, dtype,
@@ -40,7 +41,9 @@ from hicache_ray.storage.index import PageIndex
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome
 from hicache_ray.storage.page_format import (
     CorruptPage,
-    checksum,
+    ReadOut,
+    StridedOut,
+    checksum_of,
     encode_header,
     framed_size,
     payload_view,
@@ -136,7 +139,9 @@ class PagedBackend(StorageBackend):
 
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
         self._check_tensors("buffer", keys, buffers)
-        outs = [payload_view(b) for b in buffers]
+        outs: list[ReadOut] = [
+            payload_view(b) if b.is_contiguous() else StridedOut(b) for b in buffers
+        ]
         try:
             outcomes = self.objects.read_many(keys, outs)
         except Exception as exc:  # the store is unreachable: a miss, never an error
@@ -156,8 +161,19 @@ class PagedBackend(StorageBackend):
             buf.zero_()  # the store wrote there, and nothing there is verified
         return min(done, len(keys))
 
-    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+    def put(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[torch.Tensor],
+        checksums: Sequence[str] | None = None,
+    ) -> int:
+        """See :meth:`StorageBackend.put`. ``checksums``: the pages' payload checksums when
+        the caller computed them while the bytes were in cache (an integration that copies
+        pages out of a pool of another layout); a wrong one stores a page that every read
+        then rejects as corrupt, never a wrong page."""
         self._check_tensors("page", keys, pages)
+        if checksums is not None and len(checksums) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(checksums)} checksums")
         known = self._present(keys)
         # Keys before a failed lookup are known present or absent; the batch ends there.
         new = [i for i in range(len(known)) if known[i] is False]
@@ -168,7 +184,14 @@ class PagedBackend(StorageBackend):
                     self._counts["put_skipped"] += 1
         payloads = [payload_view(pages[i]) for i in new]
         futures = [
-            self._hasher.submit(encode_header, keys[i], self._digest, pages[i], payload)
+            self._hasher.submit(
+                encode_header,
+                keys[i],
+                self._digest,
+                pages[i],
+                payload,
+                None if checksums is None else checksums[i],
+            )
             for i, payload in zip(new, payloads, strict=True)
         ]
         sizes = [
@@ -241,10 +264,10 @@ class PagedBackend(StorageBackend):
                 problem = f"expected a tensor, got {type(t).__name__}"
             elif t.dtype != dtype or tuple(t.shape) != spec.shape:
                 problem = f"expected {dtype}{list(spec.shape)}, got {t.dtype}{list(t.shape)}"
-            elif t.device.type != "cpu" or not t.is_contiguous():
-                problem = f"expected a contiguous CPU tensor, got one on {t.device}"
-                if t.device.type == "cpu":
-                    problem = "expected a contiguous tensor, got a strided view"
+            elif t.device.type != "cpu":
+                problem = f"expected a CPU tensor, got one on {t.device}"
+            elif what == "page" and not t.is_contiguous():
+                problem = "expected a contiguous tensor, got a strided view"
             if problem is not None:
                 with self._lock:
                     self._counts["refused_pages"] += 1
@@ -258,7 +281,7 @@ class PagedBackend(StorageBackend):
 
     # ------------------------------------------------------------------ reads
 
-    def _accept(self, key: str, buf: torch.Tensor, out: memoryview, outcome: ReadOutcome) -> bool:
+    def _accept(self, key: str, buf: torch.Tensor, out: ReadOut, outcome: ReadOutcome) -> bool:
         """Verify a read page and count it; else handle the miss, failure or corruption."""
         if outcome is None:
             with self._lock:
@@ -274,7 +297,9 @@ class PagedBackend(StorageBackend):
             return False
         header, digest = outcome
         try:
-            verify(header, key, self._digest, buf, digest if digest is not None else checksum(out))
+            verify(
+                header, key, self._digest, buf, digest if digest is not None else checksum_of(out)
+            )
         except CorruptPage as exc:
             self._drop_corrupt(key, exc)
             return False

@@ -68,7 +68,7 @@ def test_bench_multiturn_quick_every_mode(tmp_path: Path, ray_local: None) -> No
 def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None) -> None:
     out = tmp_path / "storage.json"
     root = str(tmp_path / "l3")
-    backends = ["--backend", "memory", "--backend", "file", "--backend", "ray"]
+    backends = ["--backend", "memory", "--backend", "file", "--backend", "ray", "--backend", "sglang"]
     assert main(["bench", "storage", "--quick", *backends, "--root", root, "--json", str(out)]) == 0
     report = msgspec.json.decode(out.read_bytes(), type=Report)
     by_name = {f.name: f for f in report.figures}
@@ -78,6 +78,11 @@ def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None
             f = by_name[f"storage.{backend}.{op}.gbps"]
             assert f.value > 0 and f.ceiling and f.ratio is not None
         assert by_name[f"storage.{backend}.exists128_us"].value > 0
+    for op in ("get_v1", "set_v1", "get", "set"):
+        f = by_name[f"storage.sglang.{op}.gbps"]
+        assert f.value > 0 and f.ceiling and f.ratio is not None
+        assert f.target == (0.7 if op.endswith("_v1") else None)
+    assert report.config["sglang"]["layout"] == "page_first"
     assert not list((tmp_path / "l3").rglob("*-*_*"))  # the bench removed its pages
 
 
@@ -119,3 +124,20 @@ def test_bench_soak_short_form_holds(tmp_path: Path, ray_local: None) -> None:
     assert by_name["soak.faults_survived"].value >= 1
     for name in ("failed_requests", "wrong_outputs", "leaked_pages", "object_store_leaked"):
         assert by_name[f"soak.{name}"].value == 0, name
+
+
+def test_bench_serve_quick_writes_every_figure(tmp_path: Path, ray_local: None) -> None:
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--quick", "--clients", "3", "--json", str(out)]) == 0
+    report = msgspec.json.decode(out.read_bytes(), type=Report)
+    by_name = {f.name: f for f in report.figures}
+    assert report.config["experiment"]["clients"] == 3  # an explicit flag beats --quick
+    assert report.config["experiment"]["model"] == "tiny4"
+    for mode in ("none", "l1_l2", "l1_l2_l3"):
+        assert by_name[f"serve.{mode}.requests_per_s"].value > 0
+        assert by_name[f"serve.{mode}.ttft_p50_ms"].value > 0
+        assert by_name[f"serve.{mode}.failed_requests"].value == 0
+    assert by_name["serve.cache_speedup"].target == 2.5
+    assert by_name["serve.batching_speedup"].value > 0
+    assert by_name["serve.overload.failed_requests"].value == 0
+    assert (tmp_path / "serve.png").exists()

@@ -153,8 +153,27 @@ def _wrong_buffers(shape: tuple[int, ...]) -> list[torch.Tensor]:
         torch.empty(shape, dtype=torch.bfloat16),
         torch.empty(layer_short, dtype=torch.float16),
         torch.empty(tuple(reversed(shape)), dtype=torch.float16),
-        torch.empty((*shape[:-1], shape[-1] * 2), dtype=torch.float16)[..., ::2],  # strided
     ]
+
+
+def _strided(shape: tuple[int, ...], fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A strided view of ``shape`` (every other element of its base) and the base."""
+    base = torch.full((*shape[:-1], shape[-1] * 2), fill, dtype=torch.float16)
+    return base[..., ::2], base
+
+
+def test_reads_fill_strided_buffers_in_place(backend_factory) -> None:
+    """A buffer may be an object's place in a pool laid out otherwise: it is filled in
+    one pass, and nothing around it is touched."""
+    backend = backend_factory()
+    plan = backend.plan
+    keys, pages = page_keys(plan, 2), make_pages(plan, 2)
+    assert backend.put(keys, pages) == 2
+    views, bases = zip(*(_strided(o.shape, 7.0) for o in (plan.objects[0],) * 2), strict=True)
+    assert backend.get(keys, list(views)) == 2 and _equal(list(views), pages)
+    assert all(bool((base[..., 1::2] == 7.0).all()) for base in bases)
+    with pytest.raises(ValueError, match="strided"):
+        backend.put(page_keys(plan, 1, seed=1), [_strided(plan.objects[0].shape, 0.0)[0]])
 
 
 def test_a_callers_wrong_buffer_is_an_error_and_never_deletes_a_page(backend_factory) -> None:

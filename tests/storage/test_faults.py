@@ -6,6 +6,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 
 from hicache_ray.config import Fault, FileStorageOptions, StorageConfig
 from hicache_ray.errors import ConfigError
@@ -70,6 +71,18 @@ def test_bytes_flipped_on_read_are_caught() -> None:
     backend.put(keys, make_pages(plan, 2))
     assert backend.get(keys, empty_buffers(plan, 2)) == 0
     assert backend.stats().corrupt_pages == 1 and stored_size(objects.inner, keys[0]) is None
+
+
+def test_bytes_flipped_in_a_strided_buffer_are_caught_and_zeroed() -> None:
+    backend, _ = _backend(Fault(op="read", kind="corrupt", limit=1))
+    plan = backend.plan
+    keys = page_keys(plan, 1)
+    backend.put(keys, make_pages(plan, 1))
+    shape = plan.objects[0].shape
+    base = torch.full((*shape[:-1], shape[-1] * 2), 3.0, dtype=torch.float16)
+    assert backend.get(keys, [base[..., ::2]]) == 0
+    assert backend.stats().corrupt_pages == 1
+    assert bool((base[..., ::2] == 0).all()) and bool((base[..., 1::2] == 3.0).all())
 
 
 def test_delay_slows_the_call_down() -> None:
