@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup demo test lint typecheck unit bench gpu-check docs clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,19 @@ test: lint typecheck unit
 
 bench: $(STAMP)
 	$(VENV)/bin/hicache-ray bench micro --json bench-micro.json
+
+# On a machine with CUDA (and a CUDA torch in .venv): the gpu-marked tests, then the
+# micro, runtime and serve benchmarks on the GPU.
+gpu-check: $(STAMP)
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: CUDA is not available')"
+	$(PY) -m pytest -q -m gpu
+	$(VENV)/bin/hicache-ray bench micro --quick --device cuda --json bench-gpu-micro.json
+	$(VENV)/bin/hicache-ray bench runtime --quick --json bench-gpu-runtime.json
+	$(VENV)/bin/hicache-ray bench serve --quick --json bench-gpu-serve.json
+
+# Regenerate the generated parts of docs/ (configuration and metrics tables).
+docs: $(STAMP)
+	$(PY) -m hicache_ray.docs_gen
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import ray
 
 from actors.deployment import Deployment
-from actors.multiturn import Progress, mode_cache, oracle_hits, serve_rounds
+from actors.multiturn import Progress, mode_cache, oracle_hits, replay_rounds, serve_rounds
 from actors.stores import drop_store
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.model import preset
@@ -26,7 +26,7 @@ from hicache_ray.multiturn.exact import recompute
 from hicache_ray.multiturn.options import ExperimentOptions
 from hicache_ray.multiturn.report import Series, figures, table
 
-__all__ = ["ExperimentOptions", "embedded_ray", "run_demo", "run_multiturn_bench"]
+__all__ = ["DEMO_SHAPES", "ExperimentOptions", "embedded_ray", "run_demo", "run_multiturn_bench"]
 
 
 @contextlib.contextmanager
@@ -58,8 +58,11 @@ def _capacities(deployment: Deployment) -> tuple[int, int]:
     return ctl["device_pages_total"], ctl["host_pages_total"]
 
 
-def _exactness(series: list[Series], opts: ExperimentOptions, log: Callable[[str], None]) -> Figure:
-    """Re-run ``opts.check`` sampled requests from scratch; count wrong greedy tokens."""
+def _exactness(
+    series: list[Series], opts: ExperimentOptions, log: Callable[[str], None], extra_wrong: int = 0
+) -> Figure:
+    """Re-run ``opts.check`` sampled requests from scratch; count wrong greedy tokens (plus
+    ``extra_wrong`` found another way)."""
     pool = [
         (p, r)
         for s in series
@@ -74,18 +77,28 @@ def _exactness(series: list[Series], opts: ExperimentOptions, log: Callable[[str
             wrong += 1
             log(f"exactness: {result.rid} differs from its recompute")
     log(f"exactness: {len(sample) - wrong} of {len(sample)} sampled requests equal recompute")
-    return figure("multiturn.exactness.wrong_outputs", wrong, "requests", target=0, better="lower")
+    return figure(
+        "multiturn.exactness.wrong_outputs",
+        wrong + extra_wrong,
+        "requests",
+        target=0,
+        better="lower",
+    )
+
+
+DEMO_SHAPES = (("tp2", 2), ("tp4", 4))  # the demo's deployments: name, TP size (PP 1)
 
 
 def run_demo(
     opts: ExperimentOptions, log: Callable[[str], None]
 ) -> tuple[list[Series], list[Figure]]:
     """TP=2 serves ``opts.rounds`` rounds, TP=4 (launched beside it, same L3) continues
-    ``opts.continue_rounds`` more."""
+    ``opts.continue_rounds`` more; then each shape serves the same requests again with no
+    cache at all (its baseline), whose answers must equal the cached ones."""
     total = opts.rounds + opts.continue_rounds
     trace = opts.trace(total)
     cache = opts.cache()
-    series = []
+    series: list[Series] = []
     with embedded_ray(2 + 4):
         tp2 = Deployment.launch(opts.deployment("demo-tp2", cache, tp_size=2, pp_size=1))
         tp4 = Deployment.launch(opts.deployment("demo-tp4", cache, tp_size=4, pp_size=1))
@@ -101,7 +114,7 @@ def run_demo(
                     rounds,
                     label=name,
                     concurrency=opts.concurrency,
-                    progress=Progress(name, total),
+                    progress=Progress(name, len(rounds), first=rounds.start),
                 )
                 deployment.wait_idle(timeout_s=300)  # its pages are in L3 before the next
                 series.append(Series(name, summaries, oracle_target=0.95))
@@ -114,10 +127,63 @@ def run_demo(
             tp4.shutdown()
             if opts.storage == "ray" and not opts.keep_store:
                 drop_store(cache.storage.ray.name)
-    found = figures(series, sum(best))
-    found.append(_exactness(series, opts, log))
-    log(table(series))
-    return series, found
+        baselines = [
+            _baseline(opts, cached, tp, log)
+            for cached, (_, tp) in zip(series, DEMO_SHAPES, strict=True)
+        ]
+    differ = sum(
+        a.output_tokens != b.output_tokens
+        for cached, base in zip(series, baselines, strict=True)
+        for a, b in zip(cached.results, base.results, strict=True)
+    )
+    if differ:
+        log(f"exactness: {differ} answers with the cache differ from the no-cache baseline's")
+    everything = [x for pair in zip(series, baselines, strict=True) for x in pair]
+    found = figures(everything, sum(best))
+    for cached, base in zip(series, baselines, strict=True):
+        with_cache = cached.rounds and figure_value(found, f"multiturn.{cached.name}.ttft_p50_ms")
+        without = figure_value(found, f"multiturn.{base.name}.ttft_p50_ms")
+        found.append(
+            figure(
+                f"demo.{cached.name}.ttft_p50_speedup",
+                without / with_cache if with_cache else 0.0,
+                "x",
+            )
+        )
+    found.append(_exactness(series, opts, log, extra_wrong=differ))
+    log(table(everything))
+    return everything, found
+
+
+def figure_value(found: list[Figure], name: str) -> float:
+    return next(f.value for f in found if f.name == name)
+
+
+def _baseline(
+    opts: ExperimentOptions, cached: Series, tp: int, log: Callable[[str], None]
+) -> Series:
+    """The requests ``cached`` served, again on a deployment of the same shape with no
+    cache (every prompt recomputed)."""
+    cache, reuse = mode_cache("none", opts.cache())
+    name = f"{cached.name}-nocache"
+    deployment = Deployment.launch(
+        opts.deployment(f"demo-{name}", cache, tp_size=tp, pp_size=1, reuse_prefix=reuse)
+    )
+    try:
+        log(f"{name}: the same requests on TP={tp} with no cache")
+        first = cached.rounds[0].round
+        summaries = replay_rounds(
+            deployment,
+            cached.rounds,
+            label=name,
+            concurrency=opts.concurrency,
+            rate=opts.rate,
+            seed=opts.seed,
+            progress=Progress(name, len(cached.rounds), first=first),
+        )
+    finally:
+        deployment.shutdown()
+    return Series(name, summaries)
 
 
 def run_multiturn_bench(

@@ -38,6 +38,7 @@ from actors.ray_store import NAMESPACE, shared_storage
 from actors.spec import DeploymentConfig
 from actors.stores import drop_store, store_stats
 from hicache_ray.bench.report import Figure, figure
+from hicache_ray.cli_args import FAULT_SCENARIOS
 from hicache_ray.config import (
     CacheConfig,
     Fault,
@@ -51,16 +52,7 @@ from hicache_ray.runtime import GenerateRequest, RequestResult
 
 __all__ = ["SCENARIOS", "FaultOptions", "run_faults"]
 
-SCENARIOS = (
-    "rank_killed_admit",
-    "rank_killed_prefill",
-    "rank_killed_decode",
-    "rank_stalled",
-    "l3_shard_killed",
-    "l3_corrupt_pages",
-    "l3_write_failures",
-    "l3_slow_reads",
-)
+SCENARIOS = FAULT_SCENARIOS  # one list: the CLI checks --scenarios against it
 _STORAGE_FAULTS = {
     "l3_corrupt_pages": (Fault(op="write", kind="corrupt", probability=0.3),),
     "l3_write_failures": (Fault(op="write", kind="fail", probability=0.5),),

@@ -1,22 +1,25 @@
-"""A rank's statistics published through ``ray.util.metrics`` (Prometheus via Ray).
+"""A rank's metrics, published through ``ray.util.metrics`` (Prometheus via Ray).
 
-Every numeric field of :class:`~hicache_ray.stats.ControllerStats` (and of its nested
-cache counters, prefixed ``cache_``) becomes the gauge ``hicache_<field>``, tagged with the
-deployment and the rank (low cardinality: never a request id). Counters are published as
-gauges of their running totals, so a restarted rank starts again from zero.
+What is published is :data:`hicache_ray.metrics.METRICS`: counters from the running totals
+of :class:`~hicache_ray.stats.ControllerStats` (each publish adds what grew since the last),
+gauges from its levels, histograms from each finished request (rank 0) and each step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from hicache_ray.metrics import METRICS, SECONDS_BUCKETS, Metric
+from hicache_ray.request import RequestResult
 from hicache_ray.stats import ControllerStats
 
 __all__ = ["StatsPublisher", "flatten_stats"]
 
+_TAGS = ("deployment", "rank")
+
 
 def flatten_stats(stats: ControllerStats) -> dict[str, float]:
-    """Numeric fields by metric name (``cache_`` for the nested cache counters,
+    """Numeric fields by source name (``cache_`` for the nested cache counters,
     ``unfulfilled_tokens_<reason>`` for the per-reason counts)."""
     out: dict[str, float] = {}
     for name in stats.__struct_fields__:
@@ -33,23 +36,77 @@ def flatten_stats(stats: ControllerStats) -> dict[str, float]:
     return out
 
 
+def _applies(metric: Metric, result: RequestResult) -> bool:
+    """Whether a finished request has a value for a per-request histogram."""
+    if result.error is not None:
+        return False
+    if metric.source == "prefetch_s":
+        return result.prefetch_bytes > 0 or result.storage_hit_tokens > 0
+    if metric.source == "load_s":
+        return result.load_bytes > 0
+    if metric.source == "ttft_s":
+        return bool(result.output_tokens)
+    return True
+
+
 class StatsPublisher:
-    """Gauges of one rank; made on first use inside the actor (they need a Ray worker)."""
+    """One rank's metrics; made on first use inside the actor (they need a Ray worker).
+    Called from the step thread only."""
 
     def __init__(self, deployment: str, rank: int) -> None:
         self.tags = {"deployment": deployment, "rank": str(rank)}
-        self._gauges: dict[str, Any] = {}
+        self._made: dict[str, Any] = {}
+        self._totals: dict[str, float] = {}
 
-    def publish(self, stats: ControllerStats) -> None:
-        from ray.util.metrics import Gauge
+    def _get(self, metric: Metric) -> Any:
+        made = self._made.get(metric.name)
+        if made is None:
+            from ray.util.metrics import Counter, Gauge, Histogram
 
-        for name, value in flatten_stats(stats).items():
-            gauge = self._gauges.get(name)
-            if gauge is None:
-                gauge = Gauge(
-                    f"hicache_{name}",
-                    description=f"hicache-ray rank statistic {name}",
-                    tag_keys=("deployment", "rank"),
+            if metric.kind == "counter":
+                made = Counter(metric.name, description=metric.help, tag_keys=_TAGS)
+            elif metric.kind == "gauge":
+                made = Gauge(metric.name, description=metric.help, tag_keys=_TAGS)
+            else:
+                made = Histogram(
+                    metric.name,
+                    description=metric.help,
+                    boundaries=list(SECONDS_BUCKETS),
+                    tag_keys=_TAGS,
                 )
-                self._gauges[name] = gauge
-            gauge.set(value, tags=self.tags)
+            self._made[metric.name] = made
+        return made
+
+    def publish(self, stats: ControllerStats, queued: int | None = None) -> None:
+        """Counters and gauges from ``stats`` (and rank 0's admission ``queued``)."""
+        flat = flatten_stats(stats)
+        if queued is not None:
+            flat["queued"] = float(queued)
+        for metric in METRICS:
+            value = flat.get(metric.source)
+            if metric.kind == "histogram" or value is None:
+                continue
+            if metric.kind == "gauge":
+                self._get(metric).set(value, tags=self.tags)
+                continue
+            counter = self._get(metric)
+            if metric.name not in self._totals:
+                # Every series exists from the first publish, at zero: an alert on the rate
+                # of failures sees it before the first failure. (Ray's ``inc`` refuses 0.)
+                counter._record(0.0, tags=self.tags)
+                self._totals[metric.name] = 0.0
+            grown = value - self._totals[metric.name]
+            if grown > 0:
+                counter.inc(grown, tags=self.tags)
+                self._totals[metric.name] = value
+
+    def observe_result(self, result: RequestResult) -> None:
+        for metric in METRICS:
+            per_request = metric.kind == "histogram" and hasattr(result, metric.source)
+            if per_request and _applies(metric, result):
+                self._get(metric).observe(getattr(result, metric.source), tags=self.tags)
+
+    def observe_step(self, seconds: float) -> None:
+        for metric in METRICS:
+            if metric.kind == "histogram" and metric.source == "step":
+                self._get(metric).observe(seconds, tags=self.tags)

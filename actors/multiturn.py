@@ -23,7 +23,7 @@ from hicache_ray.multiturn.options import MODES
 from hicache_ray.multiturn.report import RoundSummary
 from hicache_ray.runtime import GenerateRequest, RequestResult
 
-__all__ = ["MODES", "Progress", "mode_cache", "oracle_hits", "serve_rounds"]
+__all__ = ["MODES", "Progress", "mode_cache", "oracle_hits", "replay_rounds", "serve_rounds"]
 
 _NEVER = 1 << 30  # a hit threshold no node reaches: nothing is ever copied to the host
 
@@ -47,19 +47,27 @@ def mode_cache(mode: str, base: CacheConfig) -> tuple[CacheConfig, bool]:
 
 
 class Progress:
-    """One status line per series on stderr (rewritten in place on a terminal)."""
+    """One status line per series on stderr: rewritten in place on a terminal; elsewhere
+    (a log, a Ray job) a line at least every ``every_s`` seconds and at each round's end.
+    Rounds are counted from 1, as in the table, the plot and the JSON rows."""
 
-    def __init__(self, label: str, rounds: int) -> None:
+    def __init__(self, label: str, rounds: int, first: int = 0, every_s: float = 5.0) -> None:
         self.label = label
         self.rounds = rounds
+        self.first = first  # the series' first round (the demo's TP=4 continues at 3)
+        self.every_s = every_s
         self.tty = sys.stderr.isatty()
+        self._last = time.monotonic()
 
     def update(self, round_: int, done: int, total: int) -> None:
-        line = f"{self.label}: round {round_ + 1}/{self.rounds}, {done}/{total} requests"
+        number = round_ - self.first + 1
+        line = f"{self.label}: round {number}/{self.rounds}, {done}/{total} requests"
+        now = time.monotonic()
         if self.tty:
             sys.stderr.write("\r" + line + ("\n" if done == total else ""))
-        elif done == total:
+        elif done == total or now - self._last >= self.every_s:
             sys.stderr.write(line + "\n")
+            self._last = now
         sys.stderr.flush()
 
 
@@ -81,17 +89,64 @@ def serve_rounds(
     summaries = []
     for r in rounds:
         prompts = trace.prompts(r)
-        requests = [
-            GenerateRequest(f"{label}-r{r}-c{c}", tokens, answer)
-            for c, (tokens, answer) in enumerate(prompts)
-        ]
-        results = _serve(deployment, requests, concurrency, trace.config.rate, rnd, progress, r)
-        bad = [x for x in results if x.error is not None]
-        if bad:
-            raise RuntimeError(f"{len(bad)} request(s) of round {r} failed: {bad[0].error}")
+        results = _serve_round(
+            deployment, r, prompts, label, concurrency, trace.config.rate, rnd, progress
+        )
         trace.record(r, [x.output_tokens for x in results])
         summaries.append(RoundSummary(r, results, [t for t, _ in prompts]))
     return summaries
+
+
+def replay_rounds(
+    deployment: Deployment,
+    served: list[RoundSummary],
+    *,
+    label: str,
+    concurrency: int,
+    rate: float,
+    seed: int,
+    progress: Progress | None = None,
+) -> list[RoundSummary]:
+    """Serve exactly the prompts (and answer lengths) of rounds already ``served``
+    elsewhere, round by round (a baseline on the same requests)."""
+    rnd = random.Random(seed + 1)
+    out = []
+    for summary in served:
+        prompts = [
+            (prompt, len(result.output_tokens))
+            for prompt, result in zip(summary.prompts, summary.results, strict=True)
+        ]
+        results = _serve_round(
+            deployment, summary.round, prompts, label, concurrency, rate, rnd, progress
+        )
+        out.append(RoundSummary(summary.round, results, list(summary.prompts)))
+    return out
+
+
+def _serve_round(
+    deployment: Deployment,
+    round_: int,
+    prompts: list[tuple[list[int], int]],
+    label: str,
+    concurrency: int,
+    rate: float,
+    rnd: random.Random,
+    progress: Progress | None,
+) -> list[RequestResult]:
+    """One round's ``(prompt, answer length)`` requests; every one must succeed.
+
+    Raises:
+        RuntimeError: a request came back with an error (the run would be meaningless).
+    """
+    requests = [
+        GenerateRequest(f"{label}-r{round_}-c{c}", tokens, answer)
+        for c, (tokens, answer) in enumerate(prompts)
+    ]
+    results = _serve(deployment, requests, concurrency, rate, rnd, progress, round_)
+    bad = [x for x in results if x.error is not None]
+    if bad:
+        raise RuntimeError(f"{len(bad)} request(s) of round {round_} failed: {bad[0].error}")
+    return results
 
 
 def _serve(
@@ -113,7 +168,8 @@ def _serve(
                 time.sleep(rnd.expovariate(rate))  # the arrival process of the trace
             i, request = pending.popleft()
             running[deployment.submit(request)] = i
-        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        # Wakes at least every second, so progress shows even while nothing finishes.
+        finished, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
         for future in finished:
             results[running.pop(future)] = future.result()
             done += 1

@@ -97,6 +97,7 @@ class RankActor:
         self._stopped: str | None = None  # guarded by _lock: why no request is taken
         self._loop: StepLoop | None = None
         self.error: str | None = None
+        self.model_backend = ""  # gloo or nccl, once the groups are joined
         self._publisher = StatsPublisher(config.name, rank)
         self._published_at = 0.0
         self._pause_s = 0.0
@@ -144,7 +145,7 @@ class RankActor:
             tp_rank=self.tp_rank, tp_size=cfg.tp_size, pp_rank=self.pp_rank, pp_size=cfg.pp_size
         )
         # The model's own groups: NCCL on CUDA, gloo on CPU (the consensus stays on gloo).
-        backend = model_backend(self.device)
+        backend = self.model_backend = model_backend(self.device)
         log.info("rank %d: model collectives on %s (device %s)", rank, backend, self.device)
 
         def model_group_of(name: str, group_rank: int, size: int) -> Any:
@@ -270,7 +271,12 @@ class RankActor:
         """This rank's controller and storage statistics, as plain data."""
         import msgspec
 
-        out: dict[str, Any] = {"rank": self.rank, "error": self.error}
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "error": self.error,
+            "device": str(self.device),
+            "model_backend": self.model_backend,
+        }
         if self.controller is not None:
             out["controller"] = msgspec.to_builtins(self.controller.stats())
             if self.controller.storage is not None:
@@ -392,15 +398,20 @@ class RankActor:
                 rt.submit(request)
             for rid in aborts:
                 rt.abort(rid)
+        started = time.monotonic()
         out = rt.step()
+        now = time.monotonic()
+        self._publisher.observe_step(now - started)
         if out.tokens and self.rank == 0:
             self._stream(out.tokens)
         for result in out.results:
+            if self.rank == 0:
+                self._publisher.observe_result(result)
             self._resolve(result)
-        now = time.monotonic()
         if now - self._published_at >= _PUBLISH_EVERY_S and self.controller is not None:
             self._published_at = now
-            self._publisher.publish(self.controller.stats())
+            queued = rt.num_queued if self.rank == 0 else None
+            self._publisher.publish(self.controller.stats(), queued)
 
     def _stopped_by(self, exc: BaseException) -> None:
         """On the step thread: the loop ended because a step raised."""

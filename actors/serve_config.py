@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from actors.spec import DeploymentConfig
+from hicache_ray.cli_args import SERVE_OPTIONS
 from hicache_ray.config import (
     CacheConfig,
     FileStorageOptions,
@@ -18,22 +19,6 @@ from hicache_ray.errors import ConfigError
 from hicache_ray.model.checkpoint import resolve_model
 
 __all__ = ["SERVE_OPTIONS", "serve_deployment_config"]
-
-# option -> (default, help); every value arrives as a string
-SERVE_OPTIONS: dict[str, tuple[str, str]] = {
-    "model": ("", "a preset (tiny, tiny4, bench: random weights) or a checkpoint directory"),
-    "tp": ("1", "tensor-parallel size"),
-    "pp": ("1", "pipeline-parallel size"),
-    "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
-    "storage_root": ("", "directory or URI of the file backend"),
-    "store": ("", "name of the ray L3 store (default: serve-<model>)"),
-    "device_tokens": ("16384", "L1 (device pool) tokens per rank"),
-    "host_ratio": ("2.0", "L2 (host pool) size as a multiple of L1"),
-    "page_size": ("16", "tokens per KV page"),
-    "max_queued": ("1024", "requests waiting to start before more are refused (503)"),
-    "cpus_per_rank": ("1", "CPUs each rank reserves"),
-    "gpus_per_rank": ("0", "GPUs each rank reserves (1 on GPU clusters)"),
-}
 
 
 def _number(name: str, value: str, kind: type[int] | type[float]) -> float:

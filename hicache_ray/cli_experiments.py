@@ -1,169 +1,174 @@
-"""Flags and handlers of ``hicache-ray demo`` and ``hicache-ray bench multiturn`` (both run
-deployments on Ray: ``actors`` is imported when they run)."""
+"""Flags of ``hicache-ray demo``, ``bench multiturn`` and ``bench serve``, and their options.
+
+Every flag defaults to None so the value used is, in order: the flag as given, the
+``--quick`` run's value, the options' default. ``--quick`` never overrides a flag given.
+Only argparse and the light ``cli_args`` are imported at module level (``--help`` is fast).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-__all__ = ["add_experiment_flags", "run_experiment"]
-
-_DEMO_HELP = (
-    "the main job: a multi-turn chat on a TP=2 deployment, continued on TP=4 from L3, on an "
-    "embedded local Ray"
+from hicache_ray.cli_args import (
+    MODEL_PRESETS,
+    csv_of,
+    length_range,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
 )
+from hicache_ray.config import PrefetchPolicy, WritePolicy
+
+__all__ = [
+    "QUICK",
+    "add_experiment_flags",
+    "add_serve_bench_flags",
+    "experiment_options",
+    "serve_options",
+]
+
+_MODES = ("none", "l1", "l1_l2", "l1_l2_l3")
+_SERVE_MODES = ("none", "l1_l2", "l1_l2_l3")
+_WRITE: tuple[str, ...] = get_args(WritePolicy)
+_PREFETCH: tuple[str, ...] = get_args(PrefetchPolicy)
+# What --quick changes (a test-sized run: the tiny model, short conversations).
+QUICK: dict[str, Any] = {
+    "clients": 3,
+    "rounds": 2,
+    "continue_rounds": 1,
+    "system_len": 32,
+    "user": "8-16",
+    "answer": "4-8",
+    "model": "tiny4",
+    "page_size": 4,
+    "device_tokens": 256,
+    "check": 2,
+}
+# Defaults shown in --help (ExperimentOptions' own; a test keeps them equal).
+_DEFAULTS: dict[str, Any] = {
+    "clients": 12,
+    "rounds": 3,
+    "continue_rounds": 2,
+    "system_len": 256,
+    "user": "64-96",
+    "answer": "16-32",
+    "rate": 0.0,
+    "concurrency": 2,
+    "model": "bench",
+    "page_size": 16,
+    "device_tokens": 2048,
+    "host_ratio": 1.5,
+    "storage": "ray",
+    "write_policy": "write_through",
+    "prefetch_policy": "wait_complete",
+    "check": 4,
+    "seed": 0,
+}
+
+
+def _flag(
+    p: argparse.ArgumentParser, name: str, text: str, quick: dict[str, Any], **kw: Any
+) -> None:
+    default = _DEFAULTS.get(name)
+    shown = f" [{default}" + (f"; --quick: {quick[name]}]" if name in quick else "]")
+    p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **kw)
 
 
 def add_experiment_flags(p: argparse.ArgumentParser, *, demo: bool) -> None:
-    """Workload, capacity and policy flags (defaults: :class:`ExperimentOptions`)."""
-    from hicache_ray.multiturn.options import ExperimentOptions
-
-    d = ExperimentOptions()
-    p.add_argument("--json", metavar="PATH", help="write the report (schema in README)")
-    p.add_argument("--png", metavar="PATH", help="plot path (default: the JSON path as .png)")
-    p.add_argument("--clients", type=int, default=d.clients, help="conversations")
-    rounds_help = "rounds on TP=2" if demo else "rounds per conversation"
-    p.add_argument("--rounds", type=int, default=d.rounds, help=rounds_help)
+    """Workload, capacity and policy flags of the demo and ``bench multiturn``."""
+    p.add_argument("--json", metavar="PATH", help="also write the report here (docs/cli.md)")
+    p.add_argument("--png", metavar="PATH", help="the plot (default: the JSON path as .png)")
+    p.add_argument("--quick", action="store_true", help="a test-sized run (tiny4 model)")
+    _flag(p, "clients", "conversations", QUICK, type=positive_int)
+    _flag(
+        p,
+        "rounds",
+        "rounds on TP=2" if demo else "rounds per conversation",
+        QUICK,
+        type=positive_int,
+    )
     if demo:
-        p.add_argument("--continue-rounds", type=int, default=d.continue_rounds, help="on TP=4")
-    p.add_argument("--system-len", type=int, default=d.system_len, help="shared system prompt")
-    p.add_argument("--user", default=d.user, help='user turn tokens: "N" or "LOW-HIGH"')
-    p.add_argument("--answer", default=d.answer, help='answer tokens: "N" or "LOW-HIGH"')
-    p.add_argument("--rate", type=float, default=d.rate, help="requests/s (0: all at once)")
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
-    p.add_argument("--model", default=d.model, help="reference model preset (tiny, bench)")
-    p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--device-tokens", type=int, default=d.device_tokens, help="L1 per rank")
-    p.add_argument("--host-ratio", type=float, default=d.host_ratio, help="L2 / L1 size")
-    p.add_argument("--storage", default=d.storage, choices=["ray", "file"], help="L3 backend")
-    p.add_argument("--storage-root", default="", help="file backend root")
-    p.add_argument("--write-policy", default=d.write_policy)
-    p.add_argument("--prefetch-policy", default=d.prefetch_policy)
+        _flag(p, "continue_rounds", "rounds continued on TP=4", QUICK, type=non_negative_int)
+    _flag(p, "system_len", "tokens of the shared system prompt", QUICK, type=non_negative_int)
+    _flag(p, "user", 'tokens per user turn, "N" or "LOW-HIGH"', QUICK, type=length_range)
+    _flag(p, "answer", 'tokens per answer, "N" or "LOW-HIGH"', QUICK, type=length_range)
+    _flag(p, "rate", "requests per second (0: each round at once)", QUICK, type=non_negative_float)
+    _flag(p, "concurrency", "requests in flight", QUICK, type=positive_int)
+    _flag(p, "model", "reference model preset", QUICK, choices=MODEL_PRESETS)
+    _flag(p, "page_size", "tokens per KV page", QUICK, type=positive_int)
+    _flag(p, "device_tokens", "L1 tokens per rank", QUICK, type=positive_int)
+    _flag(p, "host_ratio", "L2 size as a multiple of L1", QUICK, type=positive_float)
+    _flag(p, "storage", "the L3 backend", QUICK, choices=("ray", "file"))
+    p.add_argument("--storage-root", default="", help="root of the file backend (dir or URI)")
+    _flag(p, "write_policy", "L1 -> L2 write policy", QUICK, choices=_WRITE)
+    _flag(p, "prefetch_policy", "L3 prefetch policy", QUICK, choices=_PREFETCH)
     if not demo:
-        p.add_argument("--tp", type=int, default=d.tp_size)
-        p.add_argument("--pp", type=int, default=d.pp_size)
-        p.add_argument("--modes", default=",".join(d.modes), help="comma-separated subset")
-    p.add_argument("--check", type=int, default=d.check, help="requests re-run from scratch")
-    p.add_argument(
-        "--keep-store", action="store_true", help="keep the run's ray L3 store (default: dropped)"
-    )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--quick", action="store_true", help="a small run (smoke tests)")
+        p.add_argument("--tp", type=positive_int, default=1, help="TP size")
+        p.add_argument("--pp", type=positive_int, default=1, help="PP size")
+        p.add_argument("--modes", type=csv_of(_MODES), default=_MODES, help="a subset, A,B")
+    _flag(p, "check", "requests re-run from scratch (exactness)", QUICK, type=non_negative_int)
+    p.add_argument("--keep-store", action="store_true", help="keep the run's ray L3 store")
+    _flag(p, "seed", "seed of the trace", QUICK, type=int)
 
 
-def _options(args: argparse.Namespace, demo: bool) -> Any:
+def experiment_options(args: argparse.Namespace) -> Any:
+    """The :class:`ExperimentOptions` of the flags, checked (``ConfigError`` otherwise)."""
     from hicache_ray.multiturn.options import ExperimentOptions
 
-    opts = ExperimentOptions(
-        clients=args.clients,
-        rounds=args.rounds,
-        continue_rounds=getattr(args, "continue_rounds", 0),
-        system_len=args.system_len,
-        user=args.user,
-        answer=args.answer,
-        rate=args.rate,
-        concurrency=args.concurrency,
-        model=args.model,
-        page_size=args.page_size,
-        device_tokens=args.device_tokens,
-        host_ratio=args.host_ratio,
-        storage=args.storage,
-        storage_root=args.storage_root,
-        write_policy=args.write_policy,
-        prefetch_policy=args.prefetch_policy,
-        tp_size=getattr(args, "tp", 1),
-        pp_size=getattr(args, "pp", 1),
-        modes=tuple(getattr(args, "modes", "none").split(",")) if not demo else (),
-        check=args.check,
-        seed=args.seed,
-        keep_store=args.keep_store,
-    )
-    if args.quick:  # small enough for a test: the tiny model, short conversations
-        opts = dataclasses.replace(
-            opts,
-            clients=3,
-            rounds=2,
-            continue_rounds=1 if demo else 0,
-            system_len=32,
-            user="8-16",
-            answer="4-8",
-            model="tiny4",
-            page_size=4,
-            device_tokens=256,
-            check=2,
-        )
+    demo = args.command == "demo"
+    given = {
+        name: getattr(args, name)
+        for name in (*_DEFAULTS, "storage_root")
+        if getattr(args, name, None) is not None
+    }
+    chosen = {**(QUICK if args.quick else {}), **given}
+    if not demo:
+        chosen.update(tp_size=args.tp, pp_size=args.pp, modes=args.modes, continue_rounds=0)
+    else:
+        chosen["modes"] = ()
+        chosen.setdefault("continue_rounds", 2)
+    opts = ExperimentOptions(**chosen, keep_store=args.keep_store)
+    if demo:
+        dataclasses.replace(opts, modes=("none",)).validate(tp_sizes=(2, 4))
+    else:
+        opts.validate()
     return opts
 
 
-def run_experiment(
-    args: argparse.Namespace,
-    demo: bool,
-    finish: Callable[[argparse.Namespace, str, dict[str, object], list[Any]], int],
-    log: Callable[[str], None],
-) -> int:
-    from actors.experiments import run_demo, run_multiturn_bench
-    from hicache_ray.multiturn.report import plot
-
-    opts = _options(args, demo)
-    run = run_demo if demo else run_multiturn_bench
-    series, figures = run(opts, log)
-    command = "demo" if demo else "bench multiturn"
-    status = finish(args, command, dataclasses.asdict(opts), figures)
-    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if png:
-        title = "hicache-ray demo: TP=2 then TP=4" if demo else "hicache-ray bench multiturn"
-        if plot(series, png, title):
-            log(f"wrote {png}")
-        else:
-            log("matplotlib is not installed: no plot")
-    wrong = next(f for f in figures if f.name == "multiturn.exactness.wrong_outputs")
-    return status or (1 if wrong.value else 0)
-
-
 def add_serve_bench_flags(p: argparse.ArgumentParser) -> None:
-    """Flags of ``bench serve``; unset ones take :class:`ServeOptions`' defaults (or, with
-    ``--quick``, the quick run's), so ``--quick`` never overrides an explicit flag."""
-    p.add_argument("--json", metavar="PATH", help="write the report (schema in README)")
-    p.add_argument("--png", metavar="PATH", help="plot path (default: the JSON path as .png)")
-    p.add_argument("--quick", action="store_true", help="a small run on the tiny4 model (tests)")
-    p.add_argument("--clients", type=int, help="concurrent conversations [16; quick 4]")
-    p.add_argument("--rounds", type=int, help="turns per conversation [4; quick 2]")
-    p.add_argument("--rate", type=float, help="turns released per second; 0: closed loop [0]")
-    p.add_argument("--modes", help="comma-separated subset of none,l1_l2,l1_l2_l3 [all]")
-    p.add_argument("--model", help="reference model preset [bench; quick tiny4]")
-    p.add_argument("--tp", type=int, help="TP size of every deployment [1]")
+    """Flags of ``bench serve`` (defaults: ``ServeOptions``)."""
+    p.add_argument("--json", metavar="PATH", help="also write the report here (docs/cli.md)")
+    p.add_argument("--png", metavar="PATH", help="the plot (default: the JSON path as .png)")
+    p.add_argument("--quick", action="store_true", help="a test-sized run (tiny4 model)")
+    p.add_argument("--clients", type=positive_int, help="concurrent conversations [16; quick 4]")
+    p.add_argument("--rounds", type=positive_int, help="turns per conversation [4; quick 2]")
+    p.add_argument(
+        "--rate", type=non_negative_float, help="turns released per second; 0: closed loop [0]"
+    )
+    p.add_argument("--modes", type=csv_of(_SERVE_MODES), help="a subset, A,B [all]")
+    p.add_argument("--model", choices=MODEL_PRESETS, help="reference model [bench; quick tiny4]")
+    p.add_argument("--tp", type=positive_int, help="TP size of every deployment [1]")
 
 
-def run_serve_bench_cli(
-    args: argparse.Namespace,
-    finish: Callable[[argparse.Namespace, str, dict[str, object], list[Any]], int],
-    log: Callable[[str], None],
-) -> int:
-    from actors.serve_bench import SERVE_MODES, ServeOptions, run_serve_bench
-    from hicache_ray.bench.serve_plot import plot_serve
+def serve_options(args: argparse.Namespace) -> Any:
+    """The :class:`ServeOptions` of the flags, checked."""
+    from actors.serve_bench import ServeOptions
 
     opts = ServeOptions.quick() if args.quick else ServeOptions()
-    exp = opts.experiment
-    overrides = {
+    given = {
         "clients": args.clients,
         "rounds": args.rounds,
         "model": args.model,
         "tp_size": args.tp,
     }
-    exp = dataclasses.replace(exp, **{k: v for k, v in overrides.items() if v is not None})
-    modes = tuple(args.modes.split(",")) if args.modes else opts.modes
-    unknown = sorted(set(modes) - set(SERVE_MODES))
-    if unknown:
-        raise SystemExit(f"hicache-ray bench serve: unknown modes {unknown}; use {SERVE_MODES}")
-    opts = dataclasses.replace(
-        opts, experiment=exp, modes=modes, rate=opts.rate if args.rate is None else args.rate
+    exp = dataclasses.replace(opts.experiment, **{k: v for k, v in given.items() if v is not None})
+    exp.validate()
+    return dataclasses.replace(
+        opts,
+        experiment=exp,
+        modes=args.modes or opts.modes,
+        rate=opts.rate if args.rate is None else args.rate,
     )
-    figures = run_serve_bench(opts, log)
-    status = finish(args, "bench serve", dataclasses.asdict(opts), figures)
-    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if png:
-        log(f"wrote {png}" if plot_serve(figures, modes, png) else "no matplotlib: no plot")
-    return status

@@ -166,6 +166,9 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True):
             ``wait_complete`` waits for every page, ``timeout`` waits at most
             ``timeout_base_s + timeout_per_1k_tokens_s * tokens / 1024`` (capped).
         threshold_tokens: prefetch only when at least this many tokens lie past the L2 hit.
+        timeout_base_s: the ``timeout`` policy's deadline for any prompt, in seconds.
+        timeout_per_1k_tokens_s: seconds the deadline grows per 1,024 prompt tokens.
+        timeout_cap_s: the longest deadline, in seconds.
         max_host_fraction: most of the host pool that running prefetches may hold, so
             reads never starve writes.
     """

@@ -98,3 +98,13 @@ def make_config(
 @pytest.fixture
 def kv() -> ShardKV:
     return make_kv()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs these on a GPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

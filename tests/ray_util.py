@@ -14,7 +14,14 @@ def ensure_local_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=RAY_CPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            # metrics reach the node's exporter within a second (the scrape test waits)
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
 
 
 def plasma_usage() -> tuple[int, int]:

@@ -3,7 +3,9 @@
 Schema (``schema_version`` 1)::
 
     {"schema_version": 1, "command": str, "machine": Machine, "config": {str: any},
-     "figures": [Figure, ...]}
+     "figures": [Figure, ...], "rows": [{str: any}, ...]}
+
+``rows`` (the demo and ``bench multiturn``: one per series and round) is empty elsewhere.
 
 ``ratio`` is value / ceiling; ``target`` applies to ``ratio`` when there is a ceiling, else
 to ``value``; ``meets`` compares it in the ``better`` direction.
@@ -53,6 +55,7 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
     machine: Machine
     config: dict[str, Any]
     figures: list[Figure]
+    rows: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
     def write(self, path: str | Path) -> None:
         Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=2))

@@ -1,4 +1,5 @@
-"""The per-step consensus protocol (design.md section 4): what the vector holds, in order.
+"""The per-step consensus protocol: what the vector holds, in order (the design is in
+docs/architecture.md, "Consensus protocol").
 
 Every step, every rank makes exactly these collectives, whatever its local state:
 

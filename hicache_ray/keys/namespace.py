@@ -6,7 +6,7 @@ Everything that must match for two ranks' KV bytes to be interchangeable is a fi
 whether a page was stored by a hicache-ray deployment or by SGLang through our storage
 backend. A rank that finds a foreign digest in a page header treats the page as a miss.
 
-The grid is a fleet agreement (design.md section 6): the KV heads per object
+The grid is a fleet agreement (docs/storage.md, "Sharing"): the KV heads per object
 (``head_group``) follow from the TP sizes that share the store, the layers per object
 (``layer_partition``) from the PP splits. :func:`sharing_grid` derives both from
 ``StorageConfig.share_tp`` / ``share_pp`` and refuses declarations the model cannot tile.

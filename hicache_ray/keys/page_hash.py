@@ -3,7 +3,7 @@
 Page ``k`` hashes the raw 32-byte digest of page ``k - 1`` followed by its token ids as
 uint32 little-endian bytes; page 0 hashes its tokens alone. That is SGLang's page hash, so
 pages are addressed the way the reference system addresses them (the test vectors of
-design.md hold).
+docs/storage.md, "Page hash", hold).
 
 NOTE: the chain's seed is the only input besides the tokens. With no tenant salt there is
 no seed; with one, page 0 also hashes the 32-byte seed

@@ -61,9 +61,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         name: preset name, or the checkpoint's directory name.
         architecture: ``llama``, ``mistral``, ``qwen2`` (QKV biases) or ``qwen3`` (per-head
             q/k RMSNorm).
-        vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
-        intermediate_size: the shapes.
-        rope_theta: rotary base; rope_scaling: frequency scaling, or None.
+        vocab_size: tokens in the vocabulary.
+        hidden_size: width of the residual stream.
+        num_layers: decoder layers.
+        num_heads: attention (query) heads.
+        num_kv_heads: KV heads (grouped-query attention: they divide ``num_heads``).
+        head_dim: dimension of one head.
+        intermediate_size: width of the SwiGLU MLP.
+        rope_theta: rotary base.
+        rope_scaling: rotary frequency scaling (Llama 3 and linear), or None.
         rms_eps: RMSNorm epsilon.
         qkv_bias: the q/k/v projections have biases (Qwen2).
         qk_norm: q and k are RMS-normalized per head before the rotary embedding (Qwen3).

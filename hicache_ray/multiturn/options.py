@@ -15,6 +15,7 @@ from hicache_ray.config import (
     StorageConfig,
     WriteConfig,
 )
+from hicache_ray.errors import ConfigError
 from hicache_ray.model import preset
 from hicache_ray.multiturn.trace import Lengths, Trace, TraceConfig
 
@@ -50,6 +51,36 @@ class ExperimentOptions:
     seed: int = 0
     store: str = field(default_factory=lambda: f"run-{os.getpid()}")
     keep_store: bool = False  # leave the run's ray store alive (else it is dropped at the end)
+
+    def validate(self, *, tp_sizes: tuple[int, ...] = ()) -> None:
+        """Raise :class:`ConfigError` naming the first bad option; cheap, starts nothing
+        (the CLI runs it before Ray). ``tp_sizes``: the TP sizes the run will deploy
+        (default: ``tp_size``)."""
+        for name in ("clients", "rounds", "concurrency", "tp_size", "pp_size", "page_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be 1 or more", "raise it")
+        for name in ("continue_rounds", "system_len", "check", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "negative", "use 0 or more")
+        if not self.rate >= 0:
+            raise ConfigError("rate", self.rate, "negative", "use 0 (closed loop) or more")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ConfigError("modes", self.modes, "unknown or empty", f"choose from {MODES}")
+        user, answer = Lengths.parse(self.user, "user"), Lengths.parse(self.answer, "answer")
+        turns = self.rounds + self.continue_rounds
+        longest = self.system_len + turns * ((user.high or user.low) + (answer.high or answer.low))
+        if self.device_tokens < longest:
+            raise ConfigError(
+                "device_tokens",
+                self.device_tokens,
+                f"cannot hold the longest request of this workload ({longest} tokens: the "
+                f"system prompt and {turns} turns)",
+                f"give at least {longest}, or shorten the conversations",
+            )
+        cache = self.cache()  # policies, page size, capacities, storage options
+        for tp in tp_sizes or (self.tp_size,):
+            self.deployment("check", cache, tp_size=tp)  # TP / PP against the model
 
     def trace(self, rounds: int) -> Trace:
         model = preset(self.model)

@@ -14,7 +14,7 @@ from pathlib import Path
 from hicache_ray.bench.report import Figure, figure
 from hicache_ray.runtime import RequestResult
 
-__all__ = ["RoundSummary", "Series", "figures", "plot", "table"]
+__all__ = ["RoundSummary", "Series", "figures", "plot", "rows", "table"]
 
 TIERS = ("l1", "l2", "l3")
 
@@ -29,7 +29,8 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass
 class RoundSummary:
-    """One round of one series (the requests served in it)."""
+    """One round of one series (the requests served in it). ``round`` counts from 0 here;
+    every table, plot, progress line and JSON row shows it counted from 1."""
 
     round: int
     results: list[RequestResult]
@@ -105,7 +106,7 @@ def table(series: Sequence[Series]) -> str:
             rows.append(
                 (
                     s.name,
-                    str(r.round),
+                    str(r.round + 1),
                     str(len(r.results)),
                     f"{r.ttft_ms(0.5):.1f}",
                     f"{r.ttft_ms(0.9):.1f}",
@@ -119,6 +120,28 @@ def table(series: Sequence[Series]) -> str:
     return "\n".join(
         "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows
     )
+
+
+def rows(series: Sequence[Series]) -> list[dict[str, object]]:
+    """The JSON rows of the table: one per series and round (rounds counted from 1)."""
+    out: list[dict[str, object]] = []
+    for s in series:
+        for r in s.rounds:
+            out.append(
+                {
+                    "series": s.name,
+                    "round": r.round + 1,
+                    "requests": len(r.results),
+                    "prompt_tokens": r.prompt_tokens,
+                    "ttft_p50_ms": r.ttft_ms(0.5),
+                    "ttft_p90_ms": r.ttft_ms(0.9),
+                    **{f"hit_tokens_{t}": r.hits(t) for t in TIERS},
+                    "recomputed_tokens": r.recomputed,
+                    "moved_bytes": r.moved_bytes,
+                    "oracle_hit_tokens": r.oracle_hit_tokens,
+                }
+            )
+    return out
 
 
 def figures(series: Sequence[Series], infinite_hit_tokens: int) -> list[Figure]:
@@ -164,12 +187,16 @@ def plot(series: Sequence[Series], path: str | Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    from matplotlib.ticker import MaxNLocator
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for s in series:
-        left.plot(
-            [r.round for r in s.rounds], [r.ttft_ms(0.5) for r in s.rounds], "o-", label=s.name
-        )
+        style = "o--" if s.name.endswith("nocache") else "o-"
+        rounds = [r.round + 1 for r in s.rounds]
+        left.plot(rounds, [r.ttft_ms(0.5) for r in s.rounds], style, label=s.name)
     left.set(xlabel="round", ylabel="TTFT p50 (ms)", title="time to first token")
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.set_ylim(bottom=0)
     left.legend()
     bottom = [0.0] * len(series)
     names = [s.name for s in series]
@@ -181,6 +208,7 @@ def plot(series: Sequence[Series], path: str | Path, title: str) -> bool:
         names, [float(s.total("recomputed")) for s in series], bottom=bottom, label="recomputed"
     )
     right.set(ylabel="prompt tokens", title="where prompt tokens came from")
+    right.set_ylim(bottom=0)
     right.legend()
     fig.suptitle(title)
     fig.tight_layout()

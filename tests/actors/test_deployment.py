@@ -153,6 +153,7 @@ def test_stats_command_and_prometheus_metrics(
 
     from actors.metrics import flatten_stats
     from hicache_ray.cli import main
+    from hicache_ray.metrics import METRICS
     from hicache_ray.stats import CacheStats, ControllerStats
     from tests.ray_util import wait_until
 
@@ -167,9 +168,10 @@ def test_stats_command_and_prometheus_metrics(
         assert rank["health"]["stepping"] and rank["stats"]["controller"]["steps"] > 0
     assert found["stores"][store]["shards"] == 2 and found["stores"][store]["keys"] > 0
 
-    # every statistic is a gauge on this node's Prometheus endpoint, tagged with the deployment
+    # every statistic is on this node's Prometheus endpoint, tagged with the deployment
     port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
-    names = {f"ray_hicache_{n}" for n in flatten_stats(ControllerStats(cache=CacheStats()))}
+    sources = set(flatten_stats(ControllerStats(cache=CacheStats())))
+    names = {f"ray_{m.name}" for m in METRICS if m.source in sources}
 
     def exported() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:

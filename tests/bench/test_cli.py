@@ -68,7 +68,16 @@ def test_bench_multiturn_quick_every_mode(tmp_path: Path, ray_local: None) -> No
 def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None) -> None:
     out = tmp_path / "storage.json"
     root = str(tmp_path / "l3")
-    backends = ["--backend", "memory", "--backend", "file", "--backend", "ray", "--backend", "sglang"]
+    backends = [
+        "--backend",
+        "memory",
+        "--backend",
+        "file",
+        "--backend",
+        "ray",
+        "--backend",
+        "sglang",
+    ]
     assert main(["bench", "storage", "--quick", *backends, "--root", root, "--json", str(out)]) == 0
     report = msgspec.json.decode(out.read_bytes(), type=Report)
     by_name = {f.name: f for f in report.figures}

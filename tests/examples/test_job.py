@@ -6,6 +6,7 @@ chosen free here, and is ended by killing its process group: nothing is left beh
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -37,7 +38,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def head() -> Iterator[str]:
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     gcs, dash, client, agent, agent_grpc, metrics, env_agent, nm, om = _free_ports(9)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     cmd = [
@@ -49,8 +50,13 @@ def head() -> Iterator[str]:
         f"--runtime-env-agent-port={env_agent}", f"--node-manager-port={nm}",
         f"--object-manager-port={om}", "--num-cpus=4", "--disable-usage-stats",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    proc = subprocess.Popen(  # started elsewhere than the project: jobs bring their code
+        cmd,
+        env=env,
+        cwd=tmp_path_factory.mktemp("head"),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     address = f"http://127.0.0.1:{dash}"
     try:
@@ -72,7 +78,6 @@ def head() -> Iterator[str]:
 
 def test_job_submit_runs_the_multiturn_benchmark(head: str) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    script = REPO / "examples" / "job_multiturn.py"
     done = subprocess.run(
         [
             str(BIN / "ray"),
@@ -80,9 +85,11 @@ def test_job_submit_runs_the_multiturn_benchmark(head: str) -> None:
             "submit",
             "--address",
             head,
+            "--working-dir",
+            ".",
             "--",
             sys.executable,
-            str(script),
+            "examples/job_multiturn.py",
             "--quick",
             "--modes",
             "l1_l2,l1_l2_l3",
@@ -97,3 +104,23 @@ def test_job_submit_runs_the_multiturn_benchmark(head: str) -> None:
     assert done.returncode == 0, output[-3000:]
     assert "multiturn.l1_l2_l3.oracle_ratio" in output
     assert "exactness: 2 of 2 sampled requests equal recompute" in output
+
+
+def test_stats_and_store_ls_through_the_dashboard_address(head: str, tmp_path: Path) -> None:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    out = tmp_path / "stats.json"
+    for argv, expect in (
+        (["stats", "--address", head, "--json", str(out)], '"deployments"'),
+        (["store", "ls", "--address", head], "["),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "hicache_ray.cli", *argv, "--timeout", "30"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert expect in done.stdout
+    assert json.loads(out.read_text()) == {"deployments": {}, "stores": {}}

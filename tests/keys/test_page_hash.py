@@ -9,7 +9,7 @@ import pytest
 
 from hicache_ray.keys import page_hashes, salt_seed
 
-# design.md section 6: SGLang's page hash, page size 4.
+# docs/storage.md, "Page hash": SGLang's page hash, page size 4.
 VECTOR_1 = "cf97adeedb59e05bfd73a2b4c2a8885708c4f4f70c84c64b27120e72ab733b72"
 VECTOR_2 = "4ebfa8a1f3c341517621838c6e1b9aa350307e3f00b3cbd1a07ef740f54396d6"
 

@@ -1,0 +1,299 @@
+"""What each ``hicache-ray`` command does, and the checks that run before any starts.
+
+``main`` calls ``prepare(args)`` (a ``ConfigError`` or ``ValueError`` there becomes
+argparse's one-line error, exit 2, before Ray or a model is touched), then
+``run(args, prepared)``. Heavy imports happen here, only for the command that runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hicache_ray.cli_experiments import experiment_options, serve_options
+from hicache_ray.errors import ConfigError
+
+__all__ = [
+    "bench_faults",
+    "bench_micro",
+    "bench_runtime",
+    "bench_soak",
+    "bench_storage",
+    "check_device",
+    "experiment",
+    "options",
+    "serve",
+    "serve_bench",
+    "serve_app",
+    "serve_bench_options",
+    "stats",
+    "store",
+]
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def finish(
+    args: argparse.Namespace,
+    command: str,
+    config: dict[str, Any],
+    figures: list[Any],
+    rows: list[dict[str, Any]] | None = None,
+) -> int:
+    """Print the figures table and write the JSON report when asked."""
+    from hicache_ray.bench.report import Report, machine_info
+
+    report = Report(
+        command=command, machine=machine_info(), config=config, figures=figures, rows=rows or []
+    )
+    _log(report.table())
+    if args.json:
+        report.write(args.json)
+        _log(f"wrote {args.json}")
+    return 0
+
+
+def _missed(figures: list[Any]) -> int:
+    return 1 if any(f.meets is False for f in figures) else 0
+
+
+# ---------------------------------------------------------------- checks (before anything)
+
+
+def options(args: argparse.Namespace) -> Any:
+    return experiment_options(args)
+
+
+def serve_bench_options(args: argparse.Namespace) -> Any:
+    return serve_options(args)
+
+
+def check_device(args: argparse.Namespace) -> Any:
+    """The torch device of ``--device``; CUDA asked for on a machine without it is refused."""
+    import torch
+
+    if args.device == "auto":
+        from hicache_ray.memory import default_device
+
+        return default_device()
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "--device", args.device, "CUDA is not available here", "use --device cpu or auto"
+            )
+        index = int(args.device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                "--device", args.device, f"only {torch.cuda.device_count()} GPUs", "pick one"
+            )
+    return torch.device(args.device)
+
+
+def serve_app(args: argparse.Namespace) -> Any:
+    """The Serve app of ``hicache-ray serve`` (every option checked, nothing started)."""
+    from actors.openai_app import build_app
+    from hicache_ray.cli_args import SERVE_OPTIONS
+
+    given = {k: str(v) for k in SERVE_OPTIONS if (v := getattr(args, k)) is not None}
+    if args.served_name:
+        given["served_name"] = args.served_name
+    given["keep_store"] = str(args.keep_store)
+    return given, build_app(given)
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def bench_micro(args: argparse.Namespace, device: Any) -> int:
+    import torch
+
+    from hicache_ray.bench.micro import MicroOptions, run_micro
+
+    opts = MicroOptions.quick_options() if args.quick else MicroOptions()
+    torch.set_num_threads(args.threads)
+    figures = run_micro(opts, device, _log)
+    config = {**dataclasses.asdict(opts), "device": str(device), "threads": args.threads}
+    return finish(args, "bench micro", config, figures)
+
+
+def bench_storage(args: argparse.Namespace, _: None) -> int:
+    import torch
+
+    from hicache_ray.bench.storage import StorageBenchOptions, run_storage_bench
+
+    base = StorageBenchOptions.quick() if args.quick else StorageBenchOptions()
+    backends = tuple(args.backend or base.backends)
+    opts = dataclasses.replace(
+        base, backends=tuple(b for b in backends if b != "sglang"), root=args.root or ""
+    )
+    torch.set_num_threads(args.threads)
+    figures = run_storage_bench(opts, _log)
+    config: dict[str, Any] = dataclasses.asdict(opts)
+    if "sglang" in backends:
+        from hicache_ray.bench.sglang_storage import SGLangBenchOptions, run_sglang_bench
+
+        sglang = SGLangBenchOptions.quick() if args.quick else SGLangBenchOptions()
+        figures += run_sglang_bench(sglang, _log)
+        config["sglang"] = dataclasses.asdict(sglang)
+    return finish(args, "bench storage", config, figures)
+
+
+def bench_runtime(args: argparse.Namespace, _: None) -> int:
+    import torch
+
+    from hicache_ray.bench.runtime import RuntimeBenchOptions, run_runtime_bench
+
+    opts = RuntimeBenchOptions.quick() if args.quick else RuntimeBenchOptions()
+    torch.set_num_threads(args.threads)
+    figures = run_runtime_bench(opts, _log)
+    return finish(args, "bench runtime", dataclasses.asdict(opts), figures)
+
+
+def bench_faults(args: argparse.Namespace, _: None) -> int:
+    from actors.faults_bench import FaultOptions, run_faults
+
+    opts = FaultOptions(scenarios=args.scenarios, tp_size=args.tp, model=args.model)
+    figures = run_faults(opts, _log)
+    return finish(args, "bench faults", dataclasses.asdict(opts), figures) or _missed(figures)
+
+
+def bench_soak(args: argparse.Namespace, _: None) -> int:
+    from actors.soak import SoakOptions, run_soak
+
+    opts = SoakOptions(
+        duration_s=args.duration,
+        clients=args.clients,
+        fault_every_s=args.fault_every,
+        seed=args.seed,
+    )
+    figures = run_soak(opts, _log)
+    return finish(args, "bench soak", dataclasses.asdict(opts), figures) or _missed(figures)
+
+
+def experiment(args: argparse.Namespace, opts: Any) -> int:
+    """``demo`` and ``bench multiturn``: exit 1 when a sampled answer differs from recompute."""
+    from actors.experiments import DEMO_SHAPES, run_demo, run_multiturn_bench
+    from hicache_ray.multiturn.report import plot, rows
+
+    demo = args.command == "demo"
+    series, figures = (run_demo if demo else run_multiturn_bench)(opts, _log)
+    config = dataclasses.asdict(opts)
+    if demo:  # the shapes the demo really runs, not the (unused) bench options
+        for key in ("tp_size", "pp_size", "modes"):
+            config.pop(key)
+        config["deployments"] = {
+            name: {"tp_size": tp, "pp_size": 1} for name, tp in DEMO_SHAPES
+        } | {f"{name}-nocache": {"tp_size": tp, "pp_size": 1} for name, tp in DEMO_SHAPES}
+    command = "demo" if demo else "bench multiturn"
+    status = finish(args, command, config, figures, rows(series))
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        title = "hicache-ray demo: TP=2 then TP=4" if demo else "hicache-ray bench multiturn"
+        _log(f"wrote {png}" if plot(series, png, title) else "no matplotlib: no plot")
+    wrong = next(f for f in figures if f.name == "multiturn.exactness.wrong_outputs")
+    return status or (1 if wrong.value else 0)
+
+
+def serve_bench(args: argparse.Namespace, opts: Any) -> int:
+    from actors.serve_bench import run_serve_bench
+    from hicache_ray.bench.serve_plot import plot_serve
+
+    figures = run_serve_bench(opts, _log)
+    status = finish(args, "bench serve", dataclasses.asdict(opts), figures)
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        _log(f"wrote {png}" if plot_serve(figures, opts.modes, png) else "no matplotlib: no plot")
+    return status
+
+
+# ---------------------------------------------------------------- a running cluster
+
+
+def stats(args: argparse.Namespace, _: None) -> int:
+    from hicache_ray.cli_cluster import connected, run_in_cluster
+
+    if args.address.kind == "dashboard":
+        return run_in_cluster(args, ["stats", "--timeout", str(args.timeout)])
+    from actors.inspect import cluster_stats
+
+    with connected(args.address, args.timeout):
+        found = cluster_stats(timeout_s=args.timeout)
+    _emit(args, found)
+    unhealthy = [
+        f"{dep} rank {r['rank']}"
+        for dep, d in found["deployments"].items()
+        for r in d["ranks"]
+        if not r["health"].get("stepping")
+    ]
+    return 1 if unhealthy else 0
+
+
+def store(args: argparse.Namespace, _: None) -> int:
+    import msgspec
+
+    from hicache_ray.cli_cluster import connected, run_in_cluster
+
+    if args.address.kind == "dashboard":
+        rest = [] if args.action == "ls" else [args.name]
+        return run_in_cluster(args, ["store", args.action, *rest, "--timeout", str(args.timeout)])
+    from actors.stores import clear_store, drop_store, list_stores
+    from hicache_ray.config import RayStorageOptions
+
+    with connected(args.address, args.timeout):
+        found = {s.name: s for s in list_stores(timeout_s=args.timeout)}
+        if args.action == "ls":
+            _emit(args, [msgspec.to_builtins(s) for s in found.values()])
+            return 0
+        if args.name not in found:
+            print(f"hicache-ray store: no store named {args.name!r}", file=sys.stderr)
+            return 1
+        if args.action == "clear":
+            clear_store(RayStorageOptions(name=args.name, num_shards=found[args.name].shards))
+            print(f"cleared store {args.name!r}")
+        else:
+            shards = drop_store(args.name, timeout_s=args.timeout)
+            print(f"dropped store {args.name!r} ({shards} shards)")
+    return 0
+
+
+def _emit(args: argparse.Namespace, found: Any) -> None:
+    text = json.dumps(found, indent=2, default=str)
+    if getattr(args, "json", None):
+        Path(args.json).write_text(text)
+    print(text)
+
+
+def serve(args: argparse.Namespace, prepared: Any) -> int:
+    import signal
+    import threading
+
+    import ray
+    from ray import serve as ray_serve
+
+    given, app = prepared
+    started = not ray.is_initialized()
+    if started:
+        if args.address:
+            ray.init(address=args.address, log_to_driver=False)
+        else:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        ray_serve.start(http_options={"host": args.host, "port": args.port})
+        ray_serve.run(app, name="hicache-openai", route_prefix="/")
+        _log(f"serving {given['model']} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+        stop.wait()
+        _log("shutting down")
+    finally:
+        ray_serve.shutdown()  # type: ignore[no-untyped-call]
+        if started:
+            ray.shutdown()
+    return 0
