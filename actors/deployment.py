@@ -58,7 +58,7 @@ from hicache_ray.request import (
     check_request,
     error_result,
 )
-from hicache_ray.stats import RankHealth
+from hicache_ray.stats import RankHealth, RankStats
 from placement.groups import StageGroups, acquire_groups, release_groups
 from placement.plan import plan_stages
 
@@ -93,6 +93,18 @@ class Reform(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     ok: bool = True
     error: str | None = None
+
+
+class DeploymentStats(msgspec.Struct, kw_only=True):
+    """What :meth:`Deployment.stats` returns (``msgspec.to_builtins`` gives JSON)."""
+
+    name: str
+    state: str
+    tp_size: int
+    pp_size: int
+    generation: int
+    reforms: list[Reform]
+    ranks: list[RankStats]
 
 
 def _describe(exc: BaseException | None) -> str:
@@ -334,19 +346,19 @@ class Deployment:
 
     # ------------------------------------------------------------ inspection
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> DeploymentStats:
         """Every rank's statistics plus the deployment's shape, state and re-formings."""
         ranks = self._ranks()
         answers = ray.get([r.stats.remote() for r in ranks], timeout=30) if ranks else []
-        return {
-            "name": self.config.name,
-            "state": self.state.value,
-            "tp_size": self.config.tp_size,
-            "pp_size": self.config.pp_size,
-            "generation": self.generation,
-            "reforms": [msgspec.to_builtins(r) for r in self.reforms],
-            "ranks": answers,
-        }
+        return DeploymentStats(
+            name=self.config.name,
+            state=self.state.value,
+            tp_size=self.config.tp_size,
+            pp_size=self.config.pp_size,
+            generation=self.generation,
+            reforms=list(self.reforms),
+            ranks=answers,
+        )
 
     def health(self, timeout_s: float = 10.0) -> list[RankHealth]:
         """Per rank: whether it answers and is stepping, its step count and last error.

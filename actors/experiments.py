@@ -54,8 +54,9 @@ def embedded_ray(num_cpus: int) -> Iterator[None]:
 
 
 def _capacities(deployment: Deployment) -> tuple[int, int]:
-    ctl = deployment.stats()["ranks"][0]["controller"]
-    return ctl["device_pages_total"], ctl["host_pages_total"]
+    ctl = deployment.stats().ranks[0].controller
+    assert ctl is not None
+    return ctl.device_pages_total, ctl.host_pages_total
 
 
 def _exactness(

@@ -179,9 +179,9 @@ def _storage_counts(deployment: Deployment) -> dict[str, int]:
     """L3 hits and the storage failures the ranks detected (summed over ranks)."""
     keys = ("get_pages", "corrupt_pages", "put_failures", "get_failures")
     total = dict.fromkeys(keys, 0)
-    for rank in deployment.stats()["ranks"]:
+    for rank in deployment.stats().ranks:
         for key in keys:
-            total[key] += (rank.get("storage") or {}).get(key, 0)
+            total[key] += getattr(rank.storage, key, 0)
     return total
 
 

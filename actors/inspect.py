@@ -77,6 +77,6 @@ def _ask(name: str, timeout_s: float) -> dict[str, Any]:
         answers: list[Any] = ray.get(
             [actor.health.remote(), actor.stats.remote()], timeout=timeout_s
         )
-        return {"health": msgspec.to_builtins(answers[0]), "stats": answers[1]}
+        return {"health": msgspec.to_builtins(answers[0]), "stats": msgspec.to_builtins(answers[1])}
     except Exception as exc:
         return {"health": {"stepping": False, "error": repr(exc)}, "stats": None}

@@ -50,7 +50,7 @@ from hicache_ray.request import (
     error_result,
 )
 from hicache_ray.runtime import RankRuntime
-from hicache_ray.stats import RankHealth
+from hicache_ray.stats import RankHealth, RankStats
 from hicache_ray.step_loop import StepLoop
 
 __all__ = ["RankActor", "RankFailure"]
@@ -267,20 +267,18 @@ class RankActor:
 
     # ------------------------------------------------------------ inspection
 
-    def stats(self) -> dict[str, Any]:
-        """This rank's controller and storage statistics, as plain data."""
-        import msgspec
-
-        out: dict[str, Any] = {
-            "rank": self.rank,
-            "error": self.error,
-            "device": str(self.device),
-            "model_backend": self.model_backend,
-        }
+    def stats(self) -> RankStats:
+        """This rank's controller and storage statistics."""
+        out = RankStats(
+            rank=self.rank,
+            error=self.error,
+            device=str(self.device),
+            model_backend=self.model_backend,
+        )
         if self.controller is not None:
-            out["controller"] = msgspec.to_builtins(self.controller.stats())
+            out.controller = self.controller.stats()
             if self.controller.storage is not None:
-                out["storage"] = msgspec.to_builtins(self.controller.storage.stats())
+                out.storage = self.controller.storage.stats()
         return out
 
     def health(self) -> RankHealth:

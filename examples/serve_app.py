@@ -117,7 +117,7 @@ class CacheApp:
         return JSONResponse(msgspec.to_builtins(result), status_code=status)
 
     def stats(self) -> dict[str, Any]:
-        return self.deployment.stats()
+        return msgspec.to_builtins(self.deployment.stats())
 
     def __del__(self) -> None:
         self.deployment.shutdown()

@@ -47,6 +47,8 @@ class CacheHandle:
 
     Attributes:
         key: the request's tokens as tree key bytes at match time.
+        prompt_key: the whole prompt as key bytes, when the caller encoded it (the
+            controller does, once per request): reused to insert the prompt at finish.
         device_pages: device pages of the cached prefix, then of reserved tokens, in order.
         num_cached_tokens: tokens whose KV is (or is being loaded) on the device.
         device_hit_tokens / host_hit_tokens: where the cached prefix came from.
@@ -65,6 +67,7 @@ class CacheHandle:
     num_reserved_pages: int = 0
     num_tokens: int = 0  # tokens with a device slot: cached plus reserved
     finished: bool = False
+    prompt_key: bytes = b""
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_cached_tokens
@@ -252,6 +255,23 @@ class HiCache:
             self.completed_writes.append((nodes, ok))
             self.num_completed_writes += 1
 
+    def take_completed_writes(self, count: int) -> list[tuple[list[TreeNode], bool]]:
+        """Remove and return the oldest ``count`` reaped writes (``(nodes, ok)``), once
+        every rank has acknowledged them."""
+        taken = self.completed_writes[:count]
+        del self.completed_writes[:count]
+        return taken
+
+    @property
+    def writes_in_flight(self) -> int:
+        """L1 -> L2 writes submitted and not yet reaped."""
+        return len(self._writes)
+
+    @property
+    def num_private_pages(self) -> int:
+        """Device pages held by handles and not (yet) in the tree."""
+        return self._num_private_pages
+
     def flush(self) -> None:
         """Wait for every host write in flight."""
         for t, _ in list(self._writes):
@@ -294,7 +314,7 @@ class HiCache:
             self.poll()
         return alloc.allocate(num_pages)
 
-    def _alloc_host(self, num_pages: int) -> list[int] | None:
+    def alloc_host(self, num_pages: int) -> list[int] | None:
         alloc = self.host_pool.allocator
         if not alloc.can_allocate(num_pages):
             freed = self.tree.evict_host(num_pages - alloc.num_free_pages)
@@ -371,7 +391,7 @@ class HiCache:
     def _write(self, nodes: list[TreeNode]) -> Transfer | None:
         """Start copying ``nodes`` (on device, no host copy) to the host; lock until done."""
         total = sum(len(n.device_pages or ()) for n in nodes)
-        host_pages = self._alloc_host(total)
+        host_pages = self.alloc_host(total)
         if host_pages is None:
             self.counters.write_skipped_host_full += 1
             return None
@@ -407,8 +427,11 @@ class HiCache:
 
     # --------------------------------------------------------------- checking
 
-    def check_integrity(self) -> None:
-        """Assert pool accounting: every used page belongs to the tree or to a handle."""
+    def check_integrity(self, held_host_pages: int = 0) -> None:
+        """Assert pool accounting: every used device page belongs to the tree or to a
+        handle, every used host page to the tree or to the ``held_host_pages`` its owner
+        holds outside it (a controller's running prefetches). The one accounting check:
+        the controller's and the rank actor's call it."""
         self.tree.check_integrity()
         self.device_pool.check_integrity()
         self.host_pool.check_integrity()
@@ -418,6 +441,7 @@ class HiCache:
             f"{self._num_private_pages} held by requests"
         )
         host = self.host_pool.allocator
-        assert host.num_used_pages == self.tree.num_host_pages, (
-            f"host pages: {host.num_used_pages} used, {self.tree.num_host_pages} in tree"
+        assert host.num_used_pages == self.tree.num_host_pages + held_host_pages, (
+            f"host pages: {host.num_used_pages} used, {self.tree.num_host_pages} in tree, "
+            f"{held_host_pages} held outside it"
         )

@@ -48,6 +48,7 @@ from hicache_ray.request import (
 )
 from hicache_ray.sampling import RequestSampler
 from hicache_ray.scheduler import Admission, Req, plan_batch
+from hicache_ray.tree.tokens import encode_tokens
 
 __all__ = ["GenerateRequest", "RankRuntime", "RequestResult", "StepOutput"]
 
@@ -337,7 +338,8 @@ class RankRuntime:
     def _finish(self, seq: Req) -> None:
         assert seq.handle is not None
         # KV exists for the prompt and every generated token but the last.
-        self.ctl.finish(seq.handle, seq.request.tokens + seq.generated[:-1])
+        prompt = seq.handle.prompt_key or encode_tokens(seq.request.tokens)
+        self.ctl.finish(seq.handle, prompt + encode_tokens(seq.generated[:-1]))
         self._running.remove(seq)
         self._finish_admission(seq.rid)
         seq.result.output_tokens = list(seq.generated)

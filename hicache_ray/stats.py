@@ -8,6 +8,8 @@ publishes (every field is documented in the README's metrics table).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 __all__ = ["UNFULFILLED_REASONS", "CacheStats", "ControllerStats", "RankHealth"]
@@ -76,6 +78,25 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     host_pages_prefetching: int = 0
     running_prefetches: int = 0
     pending_backups: int = 0
+
+
+class RankStats(msgspec.Struct, kw_only=True):
+    """One rank's statistics as ``RankActor.stats`` returns them (plain data across the
+    actor boundary; ``msgspec.to_builtins`` gives JSON).
+
+    Attributes:
+        rank: the rank; error: why its step loop stopped, else None.
+        device: where its pools and model live; model_backend: ``gloo`` or ``nccl``.
+        controller: its cache controller's statistics (None before it is formed).
+        storage: its L3 client's counters (``StorageStats``; None without L3).
+    """
+
+    rank: int
+    error: str | None = None
+    device: str = "cpu"
+    model_backend: str = ""
+    controller: ControllerStats | None = None
+    storage: Any = None  # hicache_ray.storage.StorageStats (the storage package imports this)
 
 
 class RankHealth(msgspec.Struct, frozen=True, kw_only=True):

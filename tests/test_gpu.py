@@ -72,7 +72,7 @@ def test_tp2_on_two_gpus_uses_nccl_and_equals_recompute(ray_local: None) -> None
     try:
         tokens = list(range(5, 45))
         result = deployment.generate([GenerateRequest("g", tokens, 8)])[0]
-        backends = [r["model_backend"] for r in deployment.stats()["ranks"]]
+        backends = [r.model_backend for r in deployment.stats().ranks]
     finally:
         deployment.shutdown()
     assert backends == ["nccl", "nccl"]

@@ -54,3 +54,13 @@ def test_a_larger_lru_never_hits_less(prompts: list[list[int]], capacity: int) -
     infinite = lru_hit_tokens(waves, 2, None)
     for s, big, inf in zip(small, large, infinite, strict=True):
         assert s[0] <= big[0] <= inf[0]
+
+
+def test_the_oracle_evicts_leaves_only() -> None:
+    """Evicting a page under a cached one would strand the latter: only leaves go."""
+    a = OracleRequest([1, 2, 3, 4, 5], [9])  # pages [1, 2], [3, 4]
+    b = OracleRequest([7, 8, 7], [9])  # page [7, 8]
+    c = OracleRequest([11, 12, 13, 14, 15], [9])
+    # after a's second turn the LRU order is b1, a1, a2; c needs room for two pages: b1
+    # goes, a1 is skipped (a2 extends it), a2 goes: a keeps its first page
+    assert lru_hit_tokens([[a], [b], [a], [c], [a]], 2, 3) == [[0], [0], [4], [0], [2]]

@@ -229,3 +229,35 @@ def test_a_request_waiting_on_its_prefetch_does_not_hold_others_back() -> None:
         rt.ctl.wait_requests(timeout=0.01)
     assert finished.index("quick") < finished.index("slow")
     rt.ctl.close()
+
+
+def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission encodes the prompt; take, the tree walks and finish reuse the key."""
+    import hicache_ray.cache
+    import hicache_ray.controller.requests
+    import hicache_ray.keys.page_hash
+    import hicache_ray.runtime
+    import hicache_ray.tree.radix_tree
+    from hicache_ray.tree.tokens import encode_tokens
+
+    tokens = prompt(7, 30)
+    encoded: list[int] = []
+
+    def counting(ids: object) -> bytes:
+        if not isinstance(ids, bytes) and len(ids) >= len(tokens):  # type: ignore[arg-type]
+            encoded.append(len(ids))  # type: ignore[arg-type]
+        return encode_tokens(ids)  # type: ignore[arg-type]
+
+    for module in (
+        hicache_ray.cache,
+        hicache_ray.controller.requests,
+        hicache_ray.keys.page_hash,
+        hicache_ray.runtime,
+        hicache_ray.tree.radix_tree,
+    ):
+        monkeypatch.setattr(module, "encode_tokens", counting)
+    rt = runtime(MemoryObjects())
+    run(rt, GenerateRequest("once", tokens, 4))
+    drain(rt)
+    assert encoded == [len(tokens)]
+    rt.ctl.close()

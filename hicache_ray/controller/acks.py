@@ -13,13 +13,11 @@ from hicache_ray.cache import HiCache
 from hicache_ray.controller.backup import BackupPipeline, BackupTask
 from hicache_ray.keys import page_hashes
 from hicache_ray.stats import ControllerStats
-from hicache_ray.tree import TreeNode
+from hicache_ray.tree import BackupMark, TreeNode
 
-__all__ = ["BACKUP_FAILED", "BACKUP_WAITING", "NO_FAILURE", "Acknowledger"]
+__all__ = ["NO_FAILURE", "Acknowledger"]
 
 NO_FAILURE = 1 << 62  # "no failed backup" in the MIN of first failures
-BACKUP_FAILED = "failed"  # TreeNode.backup of a node whose backup failed on some rank
-BACKUP_WAITING = "waiting"  # TreeNode.backup of a node whose parent has no host copy yet
 
 
 class Acknowledger:
@@ -73,8 +71,7 @@ class Acknowledger:
         new = writes - self._writes_acked
         if new <= 0:
             return
-        acked = self._cache.completed_writes[:new]
-        del self._cache.completed_writes[:new]
+        acked = self._cache.take_completed_writes(new)
         self._writes_acked += len(acked)
         for nodes, ok in acked:
             if ok and self._backup is not None:
@@ -92,14 +89,14 @@ class Acknowledger:
         rank decides this from the same acknowledged writes.
         """
         tree = self._cache.tree
-        retry = (None, BACKUP_WAITING, BACKUP_FAILED)
+        retry = (None, BackupMark.WAITING, BackupMark.FAILED)
         if node.host_pages is None or node.backup not in retry or node.parent is None:
             return
         chain = []
         ancestor = node
         while ancestor is not tree.root and ancestor.backup in retry:
             if not ancestor.backuped:
-                node.backup = BACKUP_WAITING
+                node.backup = BackupMark.WAITING
                 self._stats.backup_skipped_gap += 1
                 return
             chain.append(ancestor)
@@ -123,7 +120,7 @@ class Acknowledger:
             self._stats.backed_up_pages += len(task.hashes)
             self._stats.backup_bytes += task.num_bytes
             for child in list(node.children.values()):
-                if child.backup == BACKUP_WAITING:  # its gap just closed
+                if child.backup == BackupMark.WAITING:  # its gap just closed
                     child.backup = None
                     self._submit_backup(child)
             return
@@ -132,7 +129,7 @@ class Acknowledger:
         else:
             self._stats.backup_failures += 1
         if node.backup is task:
-            node.backup = BACKUP_FAILED  # its descendants will not be stored: no holes
+            node.backup = BackupMark.FAILED  # its descendants will not be stored: no holes
 
     def _hashes(self, node: TreeNode) -> list[str]:
         """Page hashes of ``node`` (chained from the root), cached on the nodes."""

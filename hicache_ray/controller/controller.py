@@ -113,7 +113,9 @@ class CacheController:
             self.backup = BackupPipeline(storage, self.plan, host, batch)
         salt = config.storage.tenant_salt
         self.acks = Acknowledger(self.cache, self.backup, salt, self.stats_)
-        self.requests = RequestState(self, clock)
+        self.requests = RequestState(
+            self.cache, config, self.prefetch, self.stats_, self.note_failure, clock
+        )
         self._step = 0
         self._failed_since_step = False
         self._contributed: list[int] | None = None  # this rank's facts at the last exchange
@@ -255,7 +257,9 @@ class CacheController:
         self.acks.wait_backups(timeout)
 
     def _busy(self) -> bool:
-        return bool(self.cache._writes or self.cache.completed_writes or self.acks.pending_backups)
+        return bool(
+            self.cache.writes_in_flight or self.cache.completed_writes or self.acks.pending_backups
+        )
 
     def stats(self) -> ControllerStats:
         """A snapshot of every counter and gauge of this rank."""
@@ -282,15 +286,4 @@ class CacheController:
 
     def check_integrity(self) -> None:
         """Assert pool accounting across the tree, requests and prefetch slots."""
-        self.cache.tree.check_integrity()
-        self.cache.device_pool.check_integrity()
-        self.cache.host_pool.check_integrity()
-        dev = self.cache.device_pool.allocator
-        private = self.cache._num_private_pages
-        assert dev.num_used_pages == self.cache.tree.num_device_pages + private
-        host = self.cache.host_pool.allocator
-        held = self.requests.prefetch_host_pages
-        assert host.num_used_pages == self.cache.tree.num_host_pages + held, (
-            f"host pages: {host.num_used_pages} used, {self.cache.tree.num_host_pages} in tree, "
-            f"{held} held by prefetches"
-        )
+        self.cache.check_integrity(held_host_pages=self.requests.prefetch_host_pages)

@@ -17,22 +17,41 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from hicache_ray.cache import CacheHandle
+from hicache_ray.cache import CacheHandle, HiCache
+from hicache_ray.config import CacheConfig
 from hicache_ray.controller.backup import BackupTask
 from hicache_ray.controller.prefetch import FetchTask
 from hicache_ray.controller.protocol import Arrival
 from hicache_ray.errors import HiCacheError
+from hicache_ray.stats import ControllerStats
 from hicache_ray.tree import TreeNode
-from hicache_ray.tree.tokens import encode_tokens
+from hicache_ray.tree.tokens import TOKEN_BYTES, encode_tokens
 
 if TYPE_CHECKING:
-    from hicache_ray.controller.controller import CacheController
+    from hicache_ray.controller.prefetch import PrefetchPipeline
 
 __all__ = ["RequestState"]
 
-FACTS = 4
+
+class Facts(NamedTuple):
+    """One request's facts in the step vector, in this order (MIN-agreed across ranks).
+
+    Attributes:
+        ready: leading pages in L1/L2 here (read from L3 included).
+        total: leading pages in L1/L2/L3 here; -1 while the storage query runs.
+        finished: 1 when this rank's reads are done (the MIN: every rank's).
+        timed_out: -1 when the prefetch deadline passed (negated: the MIN is "any rank").
+    """
+
+    ready: int
+    total: int
+    finished: int
+    timed_out: int
+
+
+FACTS = len(Facts._fields)  # integers per request in the step vector
 
 
 class _Request:
@@ -46,18 +65,22 @@ class _Request:
         "final",
         "key",
         "node",
+        "prompt_key",
         "task",
     )
 
-    def __init__(self, arrival: Arrival, key: bytes, node: TreeNode, cached: int) -> None:
+    def __init__(
+        self, arrival: Arrival, prompt_key: bytes, whole_bytes: int, node: TreeNode, cached: int
+    ) -> None:
         self.arrival = arrival
-        self.key = key
+        self.prompt_key = prompt_key  # the prompt encoded once, reused at take and finish
+        self.key = prompt_key[:whole_bytes]  # its whole pages
         self.node = node  # locked from admission to take
         self.cached = cached
         self.task: FetchTask | None = None
-        self.agreed: tuple[int, int, int, int] | None = None
+        self.agreed: Facts | None = None
         self.fetch_started = False
-        self.final: list[int] | None = None  # facts that can no longer change
+        self.final: Facts | None = None  # facts that can no longer change
         self.admitted_at = 0.0
         self.deadline = math.inf
 
@@ -65,15 +88,27 @@ class _Request:
 class RequestState:
     """The admitted requests of one rank, in admission (= agreed) order."""
 
-    def __init__(self, ctl: CacheController, clock: Callable[[], float]) -> None:
-        self._ctl = ctl
+    def __init__(
+        self,
+        cache: HiCache,
+        config: CacheConfig,
+        prefetch: PrefetchPipeline | None,
+        stats: ControllerStats,
+        note_failure: Callable[[], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self._cache = cache
+        self._config = config
+        self._prefetch = prefetch
+        self._stats = stats
+        self._note_failure = note_failure
         self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._runnable: list[str] | None = None  # valid until the agreements or the set change
         self.prefetch_host_pages = 0  # host slots held by prefetch tasks
-        page_size = ctl.config.page_size
+        page_size = config.page_size
         self._page_size = page_size
-        self._quota = int(ctl.config.prefetch.max_host_fraction * ctl.cache.host_pool.num_pages)
+        self._quota = int(config.prefetch.max_host_fraction * cache.host_pool.num_pages)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -96,84 +131,84 @@ class RequestState:
         return out
 
     @staticmethod
-    def _facts_of(r: _Request, now: float) -> list[int]:
+    def _facts_of(r: _Request, now: float) -> Facts:
         t = r.task
         timed_out = -int(now >= r.deadline)
         if t is None:
-            facts = [r.cached, r.cached, 1, timed_out]
+            facts = Facts(r.cached, r.cached, 1, timed_out)
         else:
             finished = t.settled if r.fetch_started else 0 <= t.local_total <= r.cached
-            facts = [t.pages_read, t.local_total, int(finished), timed_out]
-        if facts[2] and (timed_out or r.deadline == math.inf):
+            facts = Facts(t.pages_read, t.local_total, int(finished), timed_out)
+        if facts.finished and (timed_out or r.deadline == math.inf):
             r.final = facts  # nothing left to change: skip the work on later steps
         return facts
 
     def apply(self, agreed: Sequence[int]) -> None:
         self._runnable = None
         for i, r in enumerate(self._requests.values()):
-            ready, total, finished, timed_out = agreed[i * FACTS : (i + 1) * FACTS]
-            r.agreed = (ready, total, finished, timed_out)
-            if total >= 0 and r.task is not None and not r.fetch_started:
-                self._start_fetch(r, total)
+            r.agreed = Facts(*agreed[i * FACTS : (i + 1) * FACTS])
+            if r.agreed.total >= 0 and r.task is not None and not r.fetch_started:
+                self._start_fetch(r, r.agreed.total)
 
     def runnable(self) -> list[str]:
         if self._runnable is not None:
             return list(self._runnable)
-        policy = self._ctl.config.prefetch.policy
+        policy = self._config.prefetch.policy
         out = []
         for rid, r in self._requests.items():
             if r.agreed is None:
                 continue
-            _, _, finished, timed_out = r.agreed
-            if policy == "best_effort" or finished == 1 or (policy == "timeout" and timed_out < 0):
+            facts = r.agreed
+            timed_out = policy == "timeout" and facts.timed_out < 0
+            if policy == "best_effort" or facts.finished == 1 or timed_out:
                 out.append(rid)
         self._runnable = out
         return list(out)
 
     def agreed_ready(self, rid: str) -> int:
         r = self._requests.get(rid)
-        return -1 if r is None or r.agreed is None else r.agreed[0]
+        return -1 if r is None or r.agreed is None else r.agreed.ready
 
     # ------------------------------------------------------------ admission
 
     def admit(self, arrival: Arrival) -> None:
-        ctl, ps = self._ctl, self._page_size
-        tree = ctl.cache.tree
+        ps = self._page_size
+        tree = self._cache.tree
         key = encode_tokens(arrival.tokens)
         whole = len(arrival.tokens) // ps
         m = tree.match_prefix(key, count_hit=False)
         tree.lock(m.best_match_node)
         cached = len(m.device_pages) + m.host_hit_pages
-        r = _Request(arrival, key[: whole * ps * 4], m.best_match_node, cached)
+        r = _Request(arrival, key, whole * ps * TOKEN_BYTES, m.best_match_node, cached)
         r.admitted_at = self._clock()
-        prefetch = ctl.config.prefetch
+        prefetch = self._config.prefetch
         past = len(arrival.tokens) - cached * ps
-        if ctl.prefetch is not None and whole > cached and past >= prefetch.threshold_tokens:
-            r.task = FetchTask(r.key, whole, cached, ctl.config.storage.tenant_salt)
-            ctl.prefetch.submit_query(r.task)
+        if self._prefetch is not None and whole > cached and past >= prefetch.threshold_tokens:
+            r.task = FetchTask(r.key, whole, cached, self._config.storage.tenant_salt)
+            self._prefetch.submit_query(r.task)
             if prefetch.policy == "timeout":
                 r.deadline = r.admitted_at + prefetch.timeout_s((whole - cached) * ps)
         self._requests[arrival.rid] = r
         self._runnable = None
-        ctl.stats_.requests += 1
+        self._stats.requests += 1
 
     def _start_fetch(self, r: _Request, total: int) -> None:
-        ctl, task = self._ctl, r.task
-        assert task is not None and ctl.prefetch is not None
+        task, pipeline = r.task, self._prefetch
+        assert task is not None and pipeline is not None
         r.fetch_started = True
-        unfulfilled = ctl.stats_.unfulfilled_tokens
+        unfulfilled = self._stats.unfulfilled_tokens
         if task.local_total > total:
             unfulfilled["peer_miss"] += (task.local_total - total) * self._page_size
         need = total - r.cached
         if need <= 0:
             return
         allowed = need
-        if ctl.config.prefetch.max_host_fraction < 1:
+        if self._config.prefetch.max_host_fraction < 1:
             allowed = min(need, max(0, self._quota - self.prefetch_host_pages))
         unfulfilled["prefetch_quota"] += (need - allowed) * self._page_size
-        pages = ctl.cache._alloc_host(allowed)
+        pages = self._cache.alloc_host(allowed)
         if pages is None:
-            alloc = ctl.cache.host_pool.allocator
+            alloc = self._cache.host_pool.allocator
             pages = alloc.allocate(min(allowed, alloc.num_free_pages)) or []
         unfulfilled["host_capacity"] += (allowed - len(pages)) * self._page_size
         task.host_pages = pages
@@ -181,7 +216,7 @@ class RequestState:
         task.read_end = r.cached + len(pages)
         self.prefetch_host_pages += len(pages)
         if pages:
-            ctl.prefetch.submit_read(task)
+            pipeline.submit_read(task)
 
     # ------------------------------------------------------------ hand-over
 
@@ -190,33 +225,34 @@ class RequestState:
             raise HiCacheError(f"request {rid!r} has no agreed prefix yet; take runnable ones")
         r = self._pop(rid)
         assert r.agreed is not None
-        ctl, tree = self._ctl, self._ctl.cache.tree
-        ready = r.agreed[0] if max_pages is None else min(r.agreed[0], max_pages)
+        cache, tree = self._cache, self._cache.tree
+        ready = r.agreed.ready if max_pages is None else min(r.agreed.ready, max_pages)
         useful = self._finish_task(r, ready, count=True)
         dropped = None
         if useful:
             assert r.task is not None
             unbacked = r.node is not tree.root and not r.node.backuped
-            if ctl.config.write.policy == "write_through" and unbacked:
+            if self._config.write.policy == "write_through" and unbacked:
                 dropped = useful  # the host tier must stay a superset of the device tier
-                ctl.stats_.refills_dropped += 1
+                self._stats.refills_dropped += 1
             else:
                 result = tree.insert_host(r.key, r.task.read_start, useful)
-                ctl.cache.host_pool.allocator.free(result.duplicate_pages)
+                cache.host_pool.allocator.free(result.duplicate_pages)
                 for node in result.new_nodes + result.adopted_nodes:
                     node.backup = BackupTask.already_stored(node)  # children may be stored
-            ctl.stats_.storage_hit_tokens += len(useful) * self._page_size
-        handle = ctl.cache.match(r.arrival.tokens, limit_pages=ready, extra_host_pages=dropped)
+            self._stats.storage_hit_tokens += len(useful) * self._page_size
+        handle = cache.match(r.key, limit_pages=ready, extra_host_pages=dropped)
+        handle.prompt_key = r.prompt_key
         handle.storage_hit_tokens = len(useful) * self._page_size
         tree.unlock(r.node)
         if handle.num_cached_tokens < ready * self._page_size:
-            ctl.note_failure()  # this rank's device pool could not hold the agreed prefix
+            self._note_failure()  # this rank's device pool could not hold the agreed prefix
         return handle
 
     def cancel(self, rid: str) -> None:
         r = self._pop(rid)
         self._finish_task(r, 0, count=False)
-        self._ctl.cache.tree.unlock(r.node)
+        self._cache.tree.unlock(r.node)
 
     def cancel_all(self) -> None:
         for rid in list(self._requests):
@@ -245,27 +281,27 @@ class RequestState:
         task.cancelled = True
         keep = max(0, ready - task.read_start) if r.fetch_started else 0
         useful, rest = task.host_pages[:keep], task.host_pages[keep:]
-        self._ctl.cache.host_pool.allocator.free(rest, fence=task)
+        self._cache.host_pool.allocator.free(rest, fence=task)
         self.prefetch_host_pages -= len(task.host_pages)
         if count:
             self._count(r, ready)
         return useful
 
     def _count(self, r: _Request, ready: int) -> None:
-        task, stats, ps = r.task, self._ctl.stats_, self._page_size
+        task, stats, ps = r.task, self._stats, self._page_size
         assert task is not None
         read = task.pages_read - task.read_start
         stats.prefetched_pages += read
-        stats.prefetched_bytes += read * self._ctl.cache.kv.page_bytes
+        stats.prefetched_bytes += read * self._cache.kv.page_bytes
         stats.prefetch_latency_s += self._clock() - r.admitted_at
         if task.failure == "query_failed":
             stats.prefetch_query_failures += 1
-        if r.agreed is None or r.agreed[1] <= ready:
+        if r.agreed is None or r.agreed.total <= ready:
             return
-        missing = (r.agreed[1] - ready) * ps
-        if r.agreed[2] != 1:
+        missing = (r.agreed.total - ready) * ps
+        if r.agreed.finished != 1:
             stats.unfulfilled_tokens["terminated"] += missing
         elif task.failure is not None:
             stats.unfulfilled_tokens["read_failed"] += missing
-        elif task.read_end >= r.agreed[1]:
+        elif task.read_end >= r.agreed.total:
             stats.unfulfilled_tokens["peer_miss"] += missing

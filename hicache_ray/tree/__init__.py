@@ -1,10 +1,11 @@
 """The hierarchical radix tree, its nodes and write policies."""
 
-from hicache_ray.tree.node import MatchResult, Pending, TreeNode
+from hicache_ray.tree.node import BackupMark, MatchResult, Pending, TreeNode
 from hicache_ray.tree.policies import WriteRule, write_rule
 from hicache_ray.tree.radix_tree import HiRadixTree, InsertResult
 
 __all__ = [
+    "BackupMark",
     "HiRadixTree",
     "InsertResult",
     "MatchResult",

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["MatchResult", "Pending", "TreeNode"]
+if TYPE_CHECKING:  # the tree only stores it; the controller makes and reads it
+    from hicache_ray.controller.backup import BackupTask
+
+__all__ = ["BackupMark", "MatchResult", "Pending", "TreeNode"]
+
+
+class BackupMark(enum.Enum):
+    """A node's L3 backup state when no backup task stands for it."""
+
+    FAILED = "failed"  # a backup of its pages failed on some rank (a later write retries)
+    WAITING = "waiting"  # its parent has no host copy yet: backed up once the parent is
 
 
 class Pending(Protocol):
@@ -30,7 +41,9 @@ class TreeNode:
     completed host copy), dead (neither: its subtree cannot be reached by a match).
 
     ``page_hashes`` caches the storage page hashes of the key (filled by whoever needs
-    them; a split divides it), and ``backup`` the latest L3 backup of the node's pages.
+    them; a split divides it), and ``backup`` the state of the node's L3 backup: None
+    (never asked), the latest :class:`~hicache_ray.controller.backup.BackupTask`, or a
+    :class:`BackupMark`.
     """
 
     __slots__ = (
@@ -64,7 +77,7 @@ class TreeNode:
         self.last_access = 0
         self.num_device_children = 0
         self.page_hashes: list[str] | None = None
-        self.backup: object | None = None
+        self.backup: BackupTask | BackupMark | None = None
 
     @property
     def evicted(self) -> bool:

@@ -81,14 +81,10 @@ class HiRadixTree:
         host_hit = 0
         on_device = True
         while pos < n:
-            child = node.children.get(key[pos : pos + page])
-            if child is None or child.dead:
+            found = self._step(node, key, pos, n, now, live_only=True)
+            if found is None:
                 break
-            klen = len(child.key)
-            if key[pos : pos + klen] != child.key:
-                klen = self._common_pages(child.key, key, pos) * page
-                child = self._split(child, klen)
-            child.last_access = now
+            child, klen = found
             child.hit_count += count_hit
             if on_device and child.device_pages is not None:
                 device_pages.extend(child.device_pages)
@@ -144,19 +140,15 @@ class HiRadixTree:
         result = InsertResult()
         node, pos = self.root, 0
         while pos < n:
-            child = node.children.get(key[pos : pos + page])
             first = pos // page
-            if child is None:
+            found = self._step(node, key, pos, n, now)
+            if found is None:
                 new = self._add_child(node, key[pos:], now)
                 self._set_device(new, list(device_pages[first:]))
                 new.hit_count = 1
                 result.new_nodes.append(new)
                 break
-            klen = len(child.key)
-            if key[pos : pos + klen] != child.key:
-                klen = self._common_pages(child.key, key, pos) * page
-                child = self._split(child, klen)
-            child.last_access = now
+            child, klen = found
             segment = list(device_pages[first : first + klen // page])
             if child.device_pages is None:
                 self._set_device(child, segment)
@@ -191,8 +183,9 @@ class HiRadixTree:
         result = InsertResult()
         node, pos = self.root, 0
         while pos < end:
-            child = node.children.get(key[pos : pos + page])
-            if child is None:
+            # a node straddling the start is split there, so adopted nodes start with it
+            found = self._step(node, key, pos, start if pos < start else end, now)
+            if found is None:
                 if pos < start:
                     raise ValueError(f"page {pos // page} of the prefix is not in the tree")
                 new = self._add_child(node, key[pos:], now)
@@ -200,14 +193,7 @@ class HiRadixTree:
                 self._refresh(new)
                 result.new_nodes.append(new)
                 break
-            klen = len(child.key)
-            if key[pos : pos + klen] != child.key:
-                klen = self._common_pages(child.key, key, pos) * page
-            if pos < start < pos + klen:
-                klen = start - pos  # align a node straddling the start with it
-            if klen < len(child.key):
-                child = self._split(child, klen)
-            child.last_access = now
+            child, klen = found
             if pos >= start:
                 segment = list(host_pages[(pos - start) // page : (pos - start + klen) // page])
                 if child.host_pages is None:
@@ -282,7 +268,8 @@ class HiRadixTree:
         num_pages: int,
         write_back: Callable[[list[TreeNode]], None] | None = None,
     ) -> list[int]:
-        """Evict at least ``num_pages`` device pages, least recently used leaves first.
+        """Evict at least ``num_pages`` device pages, least recently used leaves first
+        (strict LRU over leaves: a node whose last device child goes competes at once).
 
         ``write_back`` (write_back policy) is called with each batch of victims that have
         no host copy, before their device pages are dropped; it may give them one with
@@ -294,28 +281,33 @@ class HiRadixTree:
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
+            # Choose the batch in strict LRU order: a parent whose device children are all
+            # chosen is a leaf from then on and competes at once (it is cleared after them).
             batch: list[TreeNode] = []
+            leaving: dict[TreeNode, int] = {}  # device children chosen, per parent
             want = num_pages - len(freed)
             while heap and want > 0:
                 node = heapq.heappop(heap)[2]
-                if node.lock_ref or node.device_pages is None or node.num_device_children:
+                left = node.num_device_children - leaving.get(node, 0)
+                if node.lock_ref or node.device_pages is None or left:
                     continue
                 batch.append(node)
                 want -= len(node.device_pages)
+                parent = node.parent
+                if parent is None or parent is self.root or parent.lock_ref:
+                    continue
+                leaving[parent] = leaving.get(parent, 0) + 1
+                if (
+                    parent.device_pages is not None
+                    and leaving[parent] == parent.num_device_children
+                ):
+                    heapq.heappush(heap, (parent.last_access, parent.id, parent))
             if write_back is not None:
                 unwritten = [n for n in batch if n.host_pages is None]
                 if unwritten:
                     write_back(unwritten)
-            for node in batch:
-                parent = node.parent
+            for node in batch:  # children before their parents
                 freed.extend(self.clear_device(node))
-                if (
-                    parent is not None
-                    and parent is not self.root
-                    and parent in self._device_leaves
-                    and not parent.lock_ref
-                ):
-                    heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
     def evict_host(self, num_pages: int) -> list[int]:
@@ -339,6 +331,25 @@ class HiRadixTree:
 
     # ----------------------------------------------------------------- internals
 
+    def _step(
+        self, node: TreeNode, key: bytes, pos: int, limit: int, now: int, *, live_only: bool = False
+    ) -> tuple[TreeNode, int] | None:
+        """The one tree walk (match, insert and insert_host): the child of ``node`` that
+        ``key[pos:]`` continues into and how many key bytes it covers, at most up to
+        ``limit``; a child covered in part is split there first. The child (both halves
+        of a split) is stamped as used at ``now``. None when no (live) child continues it."""
+        child = node.children.get(key[pos : pos + self._page_bytes])
+        if child is None or (live_only and child.dead):
+            return None
+        klen = len(child.key)
+        if key[pos : pos + klen] != child.key:
+            klen = self._common_pages(child.key, key, pos) * self._page_bytes
+        klen = min(klen, limit - pos)
+        child.last_access = now
+        if klen < len(child.key):
+            child = self._split(child, klen, now)
+        return child, klen
+
     def _common_pages(self, node_key: bytes, key: bytes, pos: int) -> int:
         page = self._page_bytes
         i = page  # the first page matched through the child index
@@ -356,8 +367,9 @@ class HiRadixTree:
         self._refresh(parent)
         return node
 
-    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
-        """Split ``child`` so its first ``split_len`` key bytes become a new parent node."""
+    def _split(self, child: TreeNode, split_len: int, now: int) -> TreeNode:
+        """Split ``child`` so its first ``split_len`` key bytes become a new parent node;
+        both halves are stamped as used at ``now`` (SGLang's RadixCache does the same)."""
         page = self._page_bytes
         parent = child.parent
         assert parent is not None and 0 < split_len < len(child.key)
@@ -365,20 +377,23 @@ class HiRadixTree:
         self._next_id += 1
         self.num_nodes += 1
         cut = split_len // page
-        for attr in ("device_pages", "host_pages"):
-            pages = getattr(child, attr)
-            if pages is not None:
-                setattr(mid, attr, pages[:cut])
-                setattr(child, attr, pages[cut:])
+        if child.device_pages is not None:
+            mid.device_pages, child.device_pages = (
+                child.device_pages[:cut],
+                child.device_pages[cut:],
+            )
+        if child.host_pages is not None:
+            mid.host_pages, child.host_pages = child.host_pages[:cut], child.host_pages[cut:]
         if child.page_hashes is not None:
-            mid.page_hashes = child.page_hashes[:cut]
-            child.page_hashes = child.page_hashes[cut:]
+            mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
+        # What the whole node had, both halves have: copies in flight, backup state, locks
+        # (a lock on the child covers its ancestors), hits.
         mid.backup = child.backup
         mid.device_pending = child.device_pending
         mid.host_pending = child.host_pending
         mid.lock_ref = child.lock_ref
         mid.hit_count = child.hit_count
-        mid.last_access = child.last_access
+        mid.last_access = child.last_access = now
         child.key = child.key[split_len:]
         child.parent = mid
         mid.children[child.key[:page]] = child

@@ -88,11 +88,11 @@ def test_stats_health_and_idle(ray_local: None, tp2: Any) -> None:
     tp2.generate([GenerateRequest("s1", prompt(7, 24), 3)])
     tp2.wait_idle(timeout_s=30)
     stats = tp2.stats()
-    assert stats["tp_size"] == 2 and len(stats["ranks"]) == 2
-    for rank in stats["ranks"]:
-        ctl = rank["controller"]
-        assert ctl["steps"] > 0 and ctl["pending_backups"] == 0
-        assert rank["storage"]["backend"] == "ray" and rank["storage"]["put_pages"] > 0
+    assert stats.tp_size == 2 and len(stats.ranks) == 2
+    for rank in stats.ranks:
+        ctl = rank.controller
+        assert ctl is not None and ctl.steps > 0 and ctl.pending_backups == 0
+        assert rank.storage.backend == "ray" and rank.storage.put_pages > 0
     health = tp2.health()
     assert all(h.stepping and h.error is None for h in health)
     for rank in range(2):

@@ -74,8 +74,8 @@ def test_a_rank_exports_every_metric_with_its_type(ray_local: None) -> None:
         for m in wanted:
             assert f"# HELP ray_{m.name} {m.help}" in text, m.name
         assert counted(text, "ray_hicache_time_to_first_token_seconds_count") == 2
-        ranks = deployment.stats()["ranks"]
-        assert [(r["device"], r["model_backend"]) for r in ranks] == [("cpu", "gloo")]
+        ranks = deployment.stats().ranks
+        assert [(r.device, r.model_backend) for r in ranks] == [("cpu", "gloo")]
     finally:
         deployment.shutdown()
         actors.drop_store(store)
