@@ -8,31 +8,12 @@ store and every rank join the groups. Requests go to rank 0 (:meth:`Deployment.g
 never reaches a rank. Every rank runs them in lock step; rank 0 answers with each request's
 result and cache statistics.
 
-States (``Deployment.state``)::
-
-    forming --> serving <--> re-forming --> broken --> (re-forming on the next call)
-                  |               |            |
-                  +---------------+------------+--> shut down  (final)
-
-Recovery: when a rank dies, stalls past the consensus timeout or a collective fails, the
-requests in flight fail with :class:`~actors.rank.RankFailure` (or Ray's actor error) and
-the deployment re-forms: it kills every rank, starts new ones in the same placement groups
-(Ray re-places a group's bundles when a node is lost), and retries those requests. A
-re-forming that fails (another rank dies while joining) leaves the deployment ``broken``;
-the next attempt of any call re-forms again. Each request has ``max_retries`` retries, and
-a failed re-forming uses one. L1/L2 of the old ranks are gone; L3 is not, so the retried
-requests find their prefixes there when the storage backend outlives the ranks.
-
-Shutdown is final: :meth:`shutdown` stops accepting requests, fails those in flight with
-``DeploymentError("... shut down")`` within a bounded time, stops the ranks' step loops
-before killing them, and never re-forms afterwards. Every wait on the request path is
-bounded (waits are sliced, each slice checks for shutdown).
+States, recovery and shutdown are described in :mod:`actors.lifecycle`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import threading
 import time
@@ -40,14 +21,20 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import msgspec
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.rank import RankActor, RankFailure
+from actors.lifecycle import (
+    DeploymentError,
+    DeploymentState,
+    DeploymentStats,
+    Reform,
+    ReformFailed,
+    describe_failure,
+    is_rank_failure,
+)
+from actors.rank_group import find_suspects, kill_ranks, start_ranks, stop_ranks
 from actors.spec import DeploymentConfig
-from hicache_ray.errors import HiCacheError
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -58,7 +45,7 @@ from hicache_ray.request import (
     check_request,
     error_result,
 )
-from hicache_ray.stats import RankHealth, RankStats
+from hicache_ray.stats import RankHealth
 from placement.groups import StageGroups, acquire_groups, release_groups
 from placement.plan import plan_stages
 
@@ -66,60 +53,8 @@ __all__ = ["Deployment", "DeploymentError", "DeploymentState", "Reform"]
 
 log = logging.getLogger(__name__)
 
-_Rank = ray.remote(RankActor)
 _POLL_S = 0.02  # how often wait_idle asks rank 0
 _SLICE_S = 0.5  # a wait on the request path checks for shutdown this often
-_STOP_S = 5.0  # how long shutdown waits for each rank's step loop
-
-
-class DeploymentError(HiCacheError, RuntimeError):
-    """The deployment could not be formed, was shut down, or a request failed after every
-    retry."""
-
-
-class DeploymentState(enum.Enum):
-    FORMING = "forming"
-    SERVING = "serving"
-    REFORMING = "re-forming"
-    BROKEN = "broken"
-    SHUT_DOWN = "shut down"
-
-
-class Reform(msgspec.Struct, frozen=True, kw_only=True):
-    """One re-forming: the generation it made, why, how long it took, whether it worked."""
-
-    generation: int
-    cause: str
-    seconds: float
-    ok: bool = True
-    error: str | None = None
-
-
-class DeploymentStats(msgspec.Struct, kw_only=True):
-    """What :meth:`Deployment.stats` returns (``msgspec.to_builtins`` gives JSON)."""
-
-    name: str
-    state: str
-    tp_size: int
-    pp_size: int
-    generation: int
-    reforms: list[Reform]
-    ranks: list[RankStats]
-
-
-def _describe(exc: BaseException | None) -> str:
-    """The failure in one line: the rank's own error rather than Ray's wrapper."""
-    if isinstance(exc, RayTaskError) and exc.cause is not None:
-        exc = exc.cause
-    if isinstance(exc, RayActorError):
-        return f"a rank actor died: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    return str(exc)[:500]
-
-
-def _is_rank_failure(exc: BaseException) -> bool:
-    if isinstance(exc, RayActorError):
-        return True
-    return isinstance(exc, RayTaskError) and isinstance(exc.cause, RankFailure)
 
 
 class Deployment:
@@ -199,7 +134,7 @@ class Deployment:
                 break
             try:
                 generation, rank0 = self._serving()
-            except _ReformFailed as exc:
+            except ReformFailed as exc:
                 cause = exc.__cause__ or exc
                 continue
             refs = [rank0.generate.remote(r) for _, r in pending]
@@ -208,7 +143,7 @@ class Deployment:
                 try:
                     results[i] = self._get(ref)
                 except (RayActorError, RayTaskError) as exc:
-                    if not _is_rank_failure(exc):
+                    if not is_rank_failure(exc):
                         raise
                     self._check_open()
                     failed.append((i, request))
@@ -217,14 +152,14 @@ class Deployment:
             if pending and attempt < self.config.max_retries:
                 try:
                     self._reform(generation, cause)
-                except _ReformFailed as exc:
+                except ReformFailed as exc:
                     cause = exc.__cause__ or exc
             elif pending:
                 self._mark_broken(generation, cause)
         if pending:
             raise DeploymentError(
                 f"{len(pending)} request(s) failed after {self.config.max_retries} retries: "
-                f"{_describe(cause)}"
+                f"{describe_failure(cause)}"
             ) from cause
         return [results[i] for i in range(len(batch))]
 
@@ -238,34 +173,14 @@ class Deployment:
             checked = self._check(request)
         except RequestError as exc:
             return error_result(request, str(exc))
-        loop = asyncio.get_running_loop()
-        cause: BaseException | None = None
-        for attempt in range(self.config.max_retries + 1):
-            self._check_open()
-            try:
-                generation, rank0 = await loop.run_in_executor(self._executor, self._serving)
-            except _ReformFailed as exc:
-                cause = exc.__cause__ or exc
-                continue
+        attempt = _Attempt()
+        async for rank0 in self._attempts(attempt):
             try:
                 result: RequestResult = await self._get_async(rank0.generate.remote(checked))
                 return result
             except (RayActorError, RayTaskError) as exc:
-                if not _is_rank_failure(exc):
-                    raise
-                self._check_open()
-                cause = exc
-            if attempt < self.config.max_retries:
-                self._check_open()
-                try:
-                    await loop.run_in_executor(self._executor, self._reform, generation, cause)
-                except _ReformFailed as exc:
-                    cause = exc.__cause__ or exc
-            else:
-                self._mark_broken(generation, cause)
-        raise DeploymentError(
-            f"request failed after {self.config.max_retries} retries: {_describe(cause)}"
-        ) from cause
+                self._rank_failed(attempt, exc)
+        raise AssertionError("unreachable: _attempts raises when no retry is left")
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
         """Run ``request``, yielding its tokens as the ranks make them, then a last chunk with
@@ -281,16 +196,9 @@ class Deployment:
         except RequestError as exc:
             yield StreamChunk(tokens=[], result=error_result(request, str(exc)))
             return
-        loop = asyncio.get_running_loop()
         emitted: list[int] = []
-        cause: BaseException | None = None
-        for attempt in range(self.config.max_retries + 1):
-            self._check_open()
-            try:
-                generation, rank0 = await loop.run_in_executor(self._executor, self._serving)
-            except _ReformFailed as exc:
-                cause = exc.__cause__ or exc
-                continue
+        attempt = _Attempt()
+        async for rank0 in self._attempts(attempt):
             done = False
             try:
                 seen = 0
@@ -307,24 +215,50 @@ class Deployment:
                     if done:
                         return
             except (RayActorError, RayTaskError) as exc:
-                if not _is_rank_failure(exc):
-                    raise
-                self._check_open()
-                cause = exc
+                self._rank_failed(attempt, exc)
             finally:
-                if not done and not self._closed.is_set() and cause is None:
+                if not done and not self._closed.is_set() and attempt.cause is None:
                     rank0.abort.remote(checked.rid)  # the caller stopped listening
-            if attempt < self.config.max_retries:
+
+    async def _attempts(self, attempt: _Attempt) -> AsyncIterator[Any]:
+        """The retry loop of one asyncio request: rank 0 of each attempt. A caller whose
+        attempt hit a rank failure records it (:meth:`_rank_failed`) and asks for the next
+        one, which re-forms first; a caller that got its answer stops asking.
+
+        Raises:
+            DeploymentError: shut down, or no retry left.
+        """
+        loop = asyncio.get_running_loop()
+        for n in range(self.config.max_retries + 1):
+            self._check_open()
+            try:
+                generation, rank0 = await loop.run_in_executor(self._executor, self._serving)
+            except ReformFailed as exc:
+                attempt.cause = exc.__cause__ or exc
+                continue
+            attempt.cause = None
+            yield rank0
+            if n < self.config.max_retries:
                 self._check_open()
                 try:
-                    await loop.run_in_executor(self._executor, self._reform, generation, cause)
-                except _ReformFailed as exc:
-                    cause = exc.__cause__ or exc
+                    await loop.run_in_executor(
+                        self._executor, self._reform, generation, attempt.cause
+                    )
+                except ReformFailed as exc:
+                    attempt.cause = exc.__cause__ or exc
             else:
-                self._mark_broken(generation, cause)
+                self._mark_broken(generation, attempt.cause)
         raise DeploymentError(
-            f"request failed after {self.config.max_retries} retries: {_describe(cause)}"
-        ) from cause
+            f"request failed after {self.config.max_retries} retries: "
+            f"{describe_failure(attempt.cause)}"
+        ) from attempt.cause
+
+    def _rank_failed(self, attempt: _Attempt, exc: RayActorError | RayTaskError) -> None:
+        """Record a rank failure for the next attempt; re-raise any other error."""
+        if not is_rank_failure(exc):
+            raise exc
+        self._check_open()
+        attempt.cause = exc
 
     async def _chunks(self, stream: Any) -> AsyncIterator[StreamChunk]:
         async for ref in stream:
@@ -428,7 +362,7 @@ class Deployment:
 
         Raises:
             DeploymentError: shut down.
-            _ReformFailed: the deployment was broken and re-forming it failed again.
+            ReformFailed: the deployment was broken and re-forming it failed again.
         """
         with self._lock:
             self._check_open()
@@ -469,22 +403,7 @@ class Deployment:
     def _form(self) -> None:
         """Start generation ``self.generation``'s ranks and join them (caller holds the lock)."""
         cfg = self.config
-        self.ranks = []
-        for rank in range(cfg.world_size):
-            pp, tp = divmod(rank, cfg.tp_size)
-            bundle = self.groups.bundle_offsets[pp] + self.groups.rank_bundles[pp][tp]
-            strategy = PlacementGroupSchedulingStrategy(
-                self.groups.groups[pp], placement_group_bundle_index=bundle
-            )
-            self.ranks.append(
-                _Rank.options(
-                    num_cpus=cfg.cpus_per_rank,
-                    num_gpus=cfg.gpus_per_rank,
-                    scheduling_strategy=strategy,
-                    name=f"hicache-{cfg.name}-g{self.generation}-rank{rank}",
-                    namespace="hicache",
-                ).remote(cfg, rank, self.generation)
-            )
+        self.ranks = start_ranks(cfg, self.groups, self.generation)
         timeout = cfg.placement_timeout_s + cfg.consensus_timeout_s
         try:
             host, port = self._wait_all([self.ranks[0].start_rendezvous.remote()], timeout)[0]
@@ -495,7 +414,7 @@ class Deployment:
                 raise
             raise DeploymentError(
                 f"deployment {cfg.name!r} (TP={cfg.tp_size}, PP={cfg.pp_size}) did not form: "
-                f"{_describe(exc)}"
+                f"{describe_failure(exc)}"
             ) from exc
         log.info("deployment %s formed (generation %d)", cfg.name, self.generation)
 
@@ -504,7 +423,7 @@ class Deployment:
 
         Raises:
             DeploymentError: the deployment was shut down.
-            _ReformFailed: the new ranks did not form (the deployment is left broken; the
+            ReformFailed: the new ranks did not form (the deployment is left broken; the
                 next call re-forms again).
         """
         with self._lock:
@@ -512,9 +431,10 @@ class Deployment:
             if self.generation != seen_generation and self.state is DeploymentState.SERVING:
                 return  # another caller already re-formed after this failure
             started = time.monotonic()
-            why = _describe(cause) if cause is not None else f"broken: {self._broken}"
+            why = describe_failure(cause) if cause is not None else f"broken: {self._broken}"
             if self.ranks:
-                why += f"; suspects: {', '.join(self._suspects()) or 'none found'}"
+                suspects = find_suspects(self.ranks, self.config.consensus_timeout_s)
+                why += f"; suspects: {', '.join(suspects) or 'none found'}"
             log.warning("deployment %s: re-forming after %s", self.config.name, why)
             self.state = DeploymentState.REFORMING
             self._kill_ranks()
@@ -537,7 +457,7 @@ class Deployment:
                     )
                 )
                 log.error("deployment %s: re-forming failed: %s", self.config.name, exc)
-                raise _ReformFailed(str(exc)) from exc
+                raise ReformFailed(str(exc)) from exc
             self.state = DeploymentState.SERVING
             self._broken = None
             self.reforms.append(
@@ -551,68 +471,24 @@ class Deployment:
             if self.generation != seen_generation or self.state is not DeploymentState.SERVING:
                 return
             self.state = DeploymentState.BROKEN
-            self._broken = _describe(cause)
+            self._broken = describe_failure(cause)
             log.warning("deployment %s: broken by %s", self.config.name, self._broken)
             self._kill_ranks()
 
-    def _suspects(self, timeout_s: float = 2.0) -> list[str]:
-        """The ranks that caused a failure, as far as asking them tells: those that do not
-        answer (dead or hung), and those stuck outside a step while the others waited in
-        its collective (a stalled rank; the others report the timeout, not who stalled)."""
-        refs = [actor.health.remote() for actor in self.ranks]
-        found = []
-        for rank, ref in enumerate(refs):
-            try:
-                health: RankHealth = ray.get(ref, timeout=timeout_s)
-            except Exception:
-                found.append(f"rank {rank} does not answer (dead or hung)")
-                continue
-            outside = health.outside_step_s
-            if (
-                health.error is None
-                and outside is not None
-                and outside > self.config.consensus_timeout_s / 2
-            ):
-                found.append(f"rank {rank} stalled outside the step for {outside:.1f} s")
-        return found
-
     def _stop_ranks(self) -> None:
         """Stop the step loops (failing what is pending), then kill the ranks."""
-        ranks = self.ranks
-        if ranks:
-            # Every rank first expects its peers to go away; then rank 0's loop (which
-            # sets the pace) ends, and the others' collectives end with it.
-            try:
-                ray.wait(
-                    [r.request_stop.remote() for r in ranks],
-                    num_returns=len(ranks),
-                    timeout=_STOP_S,
-                )
-                ray.wait([ranks[0].stop.remote()], timeout=_STOP_S)
-            except Exception as exc:  # a dead rank: nothing to stop
-                log.debug("deployment %s: stopping ranks: %s", self.config.name, exc)
-        self._kill_ranks()
-        self._wait_gone(ranks)
+        ranks, self.ranks = self.ranks, []
+        stop_ranks(ranks, self.config.name)
 
     def _kill_ranks(self) -> None:
-        for actor in self.ranks:
-            ray.kill(actor, no_restart=True)
+        kill_ranks(self.ranks)
         self.ranks = []
 
-    def _wait_gone(self, actors: list[Any], timeout_s: float = _STOP_S) -> None:
-        """Wait (bounded) until killed rank actors are dead: no thread of theirs touches the
-        L3 store once shutdown returns."""
-        deadline = time.monotonic() + timeout_s
-        for actor in actors:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(actor.__ray_ready__.remote(), timeout=0.5)
-                except RayActorError:
-                    break
-                except GetTimeoutError:
-                    continue
-                time.sleep(0.02)
 
+class _Attempt:
+    """What one asyncio request's current attempt failed with (None: nothing yet)."""
 
-class _ReformFailed(DeploymentError):
-    """A re-forming did not complete (the deployment is broken until the next one)."""
+    __slots__ = ("cause",)
+
+    def __init__(self) -> None:
+        self.cause: BaseException | None = None

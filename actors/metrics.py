@@ -57,6 +57,9 @@ class StatsPublisher:
         self.tags = {"deployment": deployment, "rank": str(rank)}
         self._made: dict[str, Any] = {}
         self._totals: dict[str, float] = {}
+        histograms = [m for m in METRICS if m.kind == "histogram"]
+        self._per_request = [m for m in histograms if hasattr(RequestResult, m.source)]
+        self._per_step = [m for m in histograms if m.source == "step"]
 
     def _get(self, metric: Metric) -> Any:
         made = self._made.get(metric.name)
@@ -101,12 +104,10 @@ class StatsPublisher:
                 self._totals[metric.name] = value
 
     def observe_result(self, result: RequestResult) -> None:
-        for metric in METRICS:
-            per_request = metric.kind == "histogram" and hasattr(result, metric.source)
-            if per_request and _applies(metric, result):
+        for metric in self._per_request:
+            if _applies(metric, result):
                 self._get(metric).observe(getattr(result, metric.source), tags=self.tags)
 
     def observe_step(self, seconds: float) -> None:
-        for metric in METRICS:
-            if metric.kind == "histogram" and metric.source == "step":
-                self._get(metric).observe(seconds, tags=self.tags)
+        for metric in self._per_step:
+            self._get(metric).observe(seconds, tags=self.tags)

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache_ray.cli_experiments import experiment_options, serve_options
+from hicache_ray.cli_experiments import experiment_options as options
+from hicache_ray.cli_experiments import serve_options as serve_bench_options
 from hicache_ray.errors import ConfigError
 
 __all__ = [
@@ -64,14 +65,6 @@ def _missed(figures: list[Any]) -> int:
 
 
 # ---------------------------------------------------------------- checks (before anything)
-
-
-def options(args: argparse.Namespace) -> Any:
-    return experiment_options(args)
-
-
-def serve_bench_options(args: argparse.Namespace) -> Any:
-    return serve_options(args)
 
 
 def check_device(args: argparse.Namespace) -> Any:

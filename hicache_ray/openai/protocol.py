@@ -189,21 +189,7 @@ def chat_response(
 def completion_chunk(
     rid: str, model: str, text: str, finish_reason: str | None, use: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    choices = (
-        []
-        if use is not None and not text and finish_reason is None
-        else [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
-    )
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if use is not None:
-        chunk["usage"] = use
-    return chunk
+    return _chunk("text_completion", rid, model, "text", text, finish_reason, use)
 
 
 def chat_chunk(
@@ -213,17 +199,28 @@ def chat_chunk(
     finish_reason: str | None,
     use: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choices = (
-        []
-        if use is not None and not delta and finish_reason is None
-        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-    )
+    return _chunk("chat.completion.chunk", rid, model, "delta", delta, finish_reason, use)
+
+
+def _chunk(
+    kind: str,
+    rid: str,
+    model: str,
+    field: str,
+    content: str | dict[str, str],
+    finish_reason: str | None,
+    use: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One streamed chunk; the final usage-only chunk (``use`` with nothing else to say)
+    has no choices, as OpenAI's has."""
+    usage_only = use is not None and not content and finish_reason is None
+    choice = {"index": 0, field: content, "finish_reason": finish_reason, "logprobs": None}
     chunk: dict[str, Any] = {
         "id": rid,
-        "object": "chat.completion.chunk",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": choices,
+        "choices": [] if usage_only else [choice],
     }
     if use is not None:
         chunk["usage"] = use

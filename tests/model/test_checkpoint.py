@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -28,6 +28,7 @@ from hicache_ray.storage import MemoryObjects, PagedBackend
 
 pytest.importorskip("transformers")
 from .hf_util import FAMILIES, VOCAB, hf_logits, make_checkpoint
+from .tp_threads import tp2_forward
 
 TOL = 1e-4
 PAGE = 4
@@ -75,32 +76,12 @@ def test_prefill_logits_match_transformers_at_tp1_tp2_and_pp2(
     _close(_tp2_logits(config, ids, pages), want)
 
 
-def _tp2_logits(config: object, ids: torch.Tensor, pages: list[int]) -> torch.Tensor:
-    partials: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    barrier = threading.Barrier(2)
+def _tp2_logits(config: Any, ids: torch.Tensor, pages: list[int]) -> torch.Tensor:
+    def forward(model: ReferenceModel, shard: Shard) -> torch.Tensor:
+        pool = _pool(config.model_kv(), shard)
+        return model.forward(ids, pool, pages, 0, all_logits=True)
 
-    def summed(rank: int) -> Callable[[torch.Tensor], None]:
-        def reduce(t: torch.Tensor) -> None:
-            partials[rank].append(t.clone())
-            barrier.wait()
-            t.copy_(partials[0][-1] + partials[1][-1])
-            barrier.wait()
-
-        return reduce
-
-    shards = [Shard(tp_rank=r, tp_size=2) for r in range(2)]
-    models = [ReferenceModel(config, s, tp_all_reduce=summed(r)) for r, s in enumerate(shards)]  # type: ignore[arg-type]
-    results: dict[int, torch.Tensor] = {}
-
-    def run(r: int) -> None:
-        pool = _pool(config.model_kv(), shards[r])  # type: ignore[attr-defined]
-        results[r] = models[r].forward(ids, pool, pages, 0, all_logits=True)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = tp2_forward(config, forward)
     assert torch.equal(results[0], results[1])
     return results[0]
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -12,6 +9,7 @@ from hicache_ray.errors import ConfigError
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.memory import DevicePool
 from hicache_ray.model import ModelConfig, ReferenceModel, attention, paged_attention, preset
+from tests.model.tp_threads import tp2_forward
 
 PAGE = 4
 TOL = 1e-4  # float32: a chunked softmax and a split sum reorder additions, nothing more
@@ -105,31 +103,9 @@ def test_tensor_parallel_shards_sum_to_the_whole_model() -> None:
     config = preset("tiny")
     ids = tokens(13, seed=3)
     ref = ReferenceModel(config).forward(ids, pool_for(config, Shard()), list(range(4)), 0)
-    partials: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    barrier = threading.Barrier(2)
-
-    def summed(rank: int) -> Callable[[torch.Tensor], None]:
-        def reduce(t: torch.Tensor) -> None:  # a SUM all-reduce between two threads
-            partials[rank].append(t.clone())
-            barrier.wait()
-            t.copy_(partials[0][-1] + partials[1][-1])
-            barrier.wait()
-
-        return reduce
-
-    shards = [Shard(tp_rank=r, tp_size=2) for r in range(2)]
-    models = [ReferenceModel(config, s, tp_all_reduce=summed(r)) for r, s in enumerate(shards)]
-    results: dict[int, torch.Tensor] = {}
-    pools = [pool_for(config, s) for s in shards]
-
-    def run(r: int) -> None:
-        results[r] = models[r].forward(ids, pools[r], list(range(4)), 0)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = tp2_forward(
+        config, lambda model, shard: model.forward(ids, pool_for(config, shard), list(range(4)), 0)
+    )
     assert torch.allclose(results[0], ref, atol=TOL, rtol=0)
     assert torch.equal(results[0], results[1])
 

@@ -1,0 +1,98 @@
+"""A deployment's lifecycle records: its states, errors, re-formings, statistics, and how a
+failure is read (a rank's own error rather than Ray's wrapper).
+
+States (``Deployment.state``)::
+
+    forming --> serving <--> re-forming --> broken --> (re-forming on the next call)
+                  |               |            |
+                  +---------------+------------+--> shut down  (final)
+
+Recovery: when a rank dies, stalls past the consensus timeout or a collective fails, the
+requests in flight fail with :class:`~actors.rank.RankFailure` (or Ray's actor error) and
+the deployment re-forms: it kills every rank, starts new ones in the same placement groups
+(Ray re-places a group's bundles when a node is lost), and retries those requests. A
+re-forming that fails (another rank dies while joining) leaves the deployment ``broken``;
+the next attempt of any call re-forms again. Each request has ``max_retries`` retries, and
+a failed re-forming uses one. L1/L2 of the old ranks are gone; L3 is not, so the retried
+requests find their prefixes there when the storage backend outlives the ranks.
+
+Shutdown is final: ``Deployment.shutdown`` stops accepting requests, fails those in flight with
+``DeploymentError("... shut down")`` within a bounded time, stops the ranks' step loops
+before killing them, and never re-forms afterwards. Every wait on the request path is
+bounded (waits are sliced, each slice checks for shutdown).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+from ray.exceptions import RayActorError, RayTaskError
+
+from actors.rank import RankFailure
+from hicache_ray.errors import HiCacheError
+from hicache_ray.stats import RankStats
+
+__all__ = [
+    "DeploymentError",
+    "DeploymentState",
+    "DeploymentStats",
+    "Reform",
+    "ReformFailed",
+    "describe_failure",
+    "is_rank_failure",
+]
+
+
+class DeploymentError(HiCacheError, RuntimeError):
+    """The deployment could not be formed, was shut down, or a request failed after every
+    retry."""
+
+
+class DeploymentState(enum.Enum):
+    FORMING = "forming"
+    SERVING = "serving"
+    REFORMING = "re-forming"
+    BROKEN = "broken"
+    SHUT_DOWN = "shut down"
+
+
+class Reform(msgspec.Struct, frozen=True, kw_only=True):
+    """One re-forming: the generation it made, why, how long it took, whether it worked."""
+
+    generation: int
+    cause: str
+    seconds: float
+    ok: bool = True
+    error: str | None = None
+
+
+class DeploymentStats(msgspec.Struct, kw_only=True):
+    """What :meth:`Deployment.stats` returns (``msgspec.to_builtins`` gives JSON)."""
+
+    name: str
+    state: str
+    tp_size: int
+    pp_size: int
+    generation: int
+    reforms: list[Reform]
+    ranks: list[RankStats]
+
+
+def describe_failure(exc: BaseException | None) -> str:
+    """The failure in one line: the rank's own error rather than Ray's wrapper."""
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    if isinstance(exc, RayActorError):
+        return f"a rank actor died: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return str(exc)[:500]
+
+
+def is_rank_failure(exc: BaseException) -> bool:
+    if isinstance(exc, RayActorError):
+        return True
+    return isinstance(exc, RayTaskError) and isinstance(exc.cause, RankFailure)
+
+
+class ReformFailed(DeploymentError):
+    """A re-forming did not complete (the deployment is broken until the next one)."""

@@ -1,0 +1,98 @@
+"""One generation of a deployment's rank actors: starting them in their bundles, asking
+which ones caused a failure, stopping and killing them. Functions of the ranks they are
+given; the :class:`~actors.deployment.Deployment` owns the ranks and the locking."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.rank import RankActor
+from actors.spec import DeploymentConfig
+from hicache_ray.stats import RankHealth
+from placement.groups import StageGroups
+
+__all__ = ["STOP_S", "find_suspects", "kill_ranks", "start_ranks", "stop_ranks"]
+
+log = logging.getLogger(__name__)
+
+_Rank = ray.remote(RankActor)
+STOP_S = 5.0  # how long stopping waits for each rank's step loop
+
+
+def start_ranks(cfg: DeploymentConfig, groups: StageGroups, generation: int) -> list[Any]:
+    """One rank actor per rank of ``cfg``, each in its bundle, named
+    ``hicache-{name}-g{generation}-rank{rank}`` in the Ray namespace ``hicache``."""
+    ranks = []
+    for rank in range(cfg.world_size):
+        pp, tp = divmod(rank, cfg.tp_size)
+        bundle = groups.bundle_offsets[pp] + groups.rank_bundles[pp][tp]
+        strategy = PlacementGroupSchedulingStrategy(
+            groups.groups[pp], placement_group_bundle_index=bundle
+        )
+        ranks.append(
+            _Rank.options(
+                num_cpus=cfg.cpus_per_rank,
+                num_gpus=cfg.gpus_per_rank,
+                scheduling_strategy=strategy,
+                name=f"hicache-{cfg.name}-g{generation}-rank{rank}",
+                namespace="hicache",
+            ).remote(cfg, rank, generation)
+        )
+    return ranks
+
+
+def find_suspects(
+    ranks: list[Any], consensus_timeout_s: float, timeout_s: float = 2.0
+) -> list[str]:
+    """The ranks that caused a failure, as far as asking them tells: those that do not
+    answer (dead or hung), and those stuck outside a step while the others waited in
+    its collective (a stalled rank; the others report the timeout, not who stalled)."""
+    refs = [actor.health.remote() for actor in ranks]
+    found = []
+    for rank, ref in enumerate(refs):
+        try:
+            health: RankHealth = ray.get(ref, timeout=timeout_s)
+        except Exception:
+            found.append(f"rank {rank} does not answer (dead or hung)")
+            continue
+        outside = health.outside_step_s
+        if health.error is None and outside is not None and outside > consensus_timeout_s / 2:
+            found.append(f"rank {rank} stalled outside the step for {outside:.1f} s")
+    return found
+
+
+def stop_ranks(ranks: list[Any], name: str) -> None:
+    """Stop the step loops (failing what is pending), kill the ranks, and wait (bounded)
+    until they are gone: no thread of theirs touches the L3 store afterwards."""
+    if ranks:
+        # Every rank first expects its peers to go away; then rank 0's loop (which sets
+        # the pace) ends, and the others' collectives end with it.
+        try:
+            ray.wait(
+                [r.request_stop.remote() for r in ranks], num_returns=len(ranks), timeout=STOP_S
+            )
+            ray.wait([ranks[0].stop.remote()], timeout=STOP_S)
+        except Exception as exc:  # a dead rank: nothing to stop
+            log.debug("deployment %s: stopping ranks: %s", name, exc)
+    kill_ranks(ranks)
+    deadline = time.monotonic() + STOP_S
+    for actor in ranks:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=0.5)
+            except RayActorError:
+                break
+            except GetTimeoutError:
+                continue
+            time.sleep(0.02)
+
+
+def kill_ranks(ranks: list[Any]) -> None:
+    for actor in ranks:
+        ray.kill(actor, no_restart=True)
