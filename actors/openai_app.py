@@ -5,8 +5,11 @@ One replica owns one :class:`~actors.deployment.Deployment` (its ranks' bundles 
 replica's ``placement_group_bundles``) and the checkpoint's tokenizer. ``usage`` carries
 ``prompt_tokens_details.cached_tokens``: the prompt tokens served from L1, L2 or L3. Errors
 use OpenAI's format: 400 for a bad body or a prompt longer than the context, 404 for an
-unknown model or path, 413 for a body over ``MAX_BODY_BYTES``, 503 when overloaded (the
-admission queue is full) or the deployment cannot serve, 500 when a request fails inside.
+unknown model or path, 413 for a body over ``MAX_BODY_BYTES``, 503 with ``Retry-After`` when
+overloaded (the admission queue is full) or the deployment cannot serve, 500 when a request
+fails inside. A stream sends nothing until the engine's first chunk, so every refusal is a
+status. A replica takes ``max_running + max_queued`` requests at once
+(:func:`max_ongoing_requests`), so HTTP clients get the engine's batching and queue.
 
     serve run actors.openai_app:build_app model=/path/to/checkpoint tp=2
     hicache-ray serve --model /path/to/checkpoint --tp 2      # the same, from the CLI
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from ray import serve
 from starlette.requests import Request
@@ -44,15 +47,20 @@ from hicache_ray.openai.protocol import (
 from hicache_ray.openai.text import IncrementalText, text_codec
 from hicache_ray.request import GenerateRequest, RequestResult, SamplingParams, StreamChunk
 
-__all__ = ["MAX_BODY_BYTES", "OpenAIApp", "build_app"]
+__all__ = ["MAX_BODY_BYTES", "OpenAIApp", "build_app", "max_ongoing_requests"]
 
 MAX_BODY_BYTES = 4 << 20
 CHAT_MAX_TOKENS_DEFAULT = 256
 _STATUS = {"invalid": 400, "overloaded": 503, "internal": 500}
 
 
+_T = TypeVar("_T")
+_RETRY_AFTER_S = 1  # what a 503 asks the client to wait before trying again
+
+
 def _error(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status)
+    headers = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 
 class OpenAIApp:
@@ -97,9 +105,9 @@ class OpenAIApp:
         chat = isinstance(body, ChatRequest)
         tokens = self.codec.encode_chat(body.messages) if chat else self.codec.encode(body.prompt)
         limit = body.max_completion_tokens if chat else None
-        max_new = (
-            limit or body.max_tokens or (CHAT_MAX_TOKENS_DEFAULT if chat else MAX_TOKENS_DEFAULT)
-        )
+        if limit is None:
+            limit = body.max_tokens
+        max_new = limit or (CHAT_MAX_TOKENS_DEFAULT if chat else MAX_TOKENS_DEFAULT)
         context = self.config.model.max_context
         if context and len(tokens) >= context:
             raise OpenAIError(
@@ -157,19 +165,26 @@ class OpenAIApp:
                 if result is not None and result.error is not None:
                     status = _STATUS.get(result.error_kind or "internal", 500)
                     kind = "invalid_request_error" if status == 400 else "server_error"
-                    raise OpenAIError(status, result.error, kind=kind)
+                    retry = _RETRY_AFTER_S if status == 503 else None
+                    raise OpenAIError(status, result.error, kind=kind, retry_after_s=retry)
                 yield chunk
         except DeploymentError as exc:
-            raise OpenAIError(503, str(exc), kind="server_error") from None
+            raise OpenAIError(
+                503, str(exc), kind="server_error", retry_after_s=_RETRY_AFTER_S
+            ) from None
 
     async def _events(
         self, request: GenerateRequest, text: IncrementalText, chat: bool, include_usage: bool
     ) -> AsyncIterator[bytes]:
         rid, model = request.rid, self.model
+        # NOTE: nothing is sent before the engine's first chunk (the request was admitted
+        # and prefilled): a refusal before it is an HTTP status, not a cut stream.
+        chunks = self._stream(request)
+        first = await anext(chunks)
         if chat:
             yield sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
         result = None
-        async for chunk in self._stream(request):
+        async for chunk in _prepend(first, chunks):
             piece = text.add(chunk.tokens)
             if text.stopped and chunk.result is None:
                 self.deployment.abort(rid)
@@ -209,10 +224,16 @@ def _completion_tokens(result: RequestResult, text: IncrementalText) -> int:
     return len(text.tokens) if text.stopped else len(result.output_tokens)
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _prepend(first: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
     yield first
     async for event in rest:
         yield event
+
+
+def max_ongoing_requests(config: DeploymentConfig) -> int:
+    """What one replica takes at once: the requests its deployment runs plus those its
+    admission queue holds (``scheduler.max_running + scheduler.max_queued``)."""
+    return config.scheduler.max_running + config.scheduler.max_queued
 
 
 def build_app(args: dict[str, str]) -> Any:
@@ -232,6 +253,9 @@ def build_app(args: dict[str, str]) -> Any:
         OpenAIApp,
         name="hicache-openai",
         ray_actor_options={"num_cpus": 0},
+        # Every request the engine can run or queue reaches it (its admission queue answers
+        # the rest with 503 + Retry-After); Serve's default of 5 would cap batching at 5.
+        max_ongoing_requests=max_ongoing_requests(config),
         placement_group_bundles=bundles,
         placement_group_strategy="PACK",
     )

@@ -5,6 +5,7 @@ given; the :class:`~actors.deployment.Deployment` owns the ranks and the locking
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -14,15 +15,53 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankActor
 from actors.spec import DeploymentConfig
+from hicache_ray.errors import ConfigError
 from hicache_ray.stats import RankHealth
 from placement.groups import StageGroups
 
-__all__ = ["STOP_S", "find_suspects", "kill_ranks", "start_ranks", "stop_ranks"]
+__all__ = [
+    "STOP_S",
+    "check_name_free",
+    "find_suspects",
+    "kill_ranks",
+    "start_ranks",
+    "stop_ranks",
+]
 
 log = logging.getLogger(__name__)
 
 _Rank = ray.remote(RankActor)
 STOP_S = 5.0  # how long stopping waits for each rank's step loop
+
+
+def _rank_name(name: str, generation: int, rank: int) -> str:
+    return f"hicache-{name}-g{generation}-rank{rank}"
+
+
+def check_name_free(name: str, owns_groups: bool) -> None:
+    """Raise ``ConfigError`` naming ``name`` when a deployment of that name runs in this
+    cluster (its rank actors, or, for a deployment that makes its own placement groups,
+    its groups ``{name}-pp{stage}``), before anything of a second one is created."""
+    from ray.util import list_named_actors, placement_group_table
+
+    ranks = re.compile(re.escape(f"hicache-{name}-g") + r"\d+-rank\d+")
+    taken = any(
+        a["namespace"] == "hicache" and ranks.fullmatch(a["name"])
+        for a in list_named_actors(all_namespaces=True)
+    )
+    if owns_groups and not taken:
+        groups = re.compile(re.escape(f"{name}-pp") + r"\d+")
+        taken = any(
+            g.get("state") != "REMOVED" and groups.fullmatch(str(g.get("name", "")))
+            for g in placement_group_table().values()
+        )
+    if taken:
+        raise ConfigError(
+            "name",
+            name,
+            "a deployment of this name is running in this cluster",
+            "give this deployment another name, or shut the other one down first",
+        )
 
 
 def start_ranks(cfg: DeploymentConfig, groups: StageGroups, generation: int) -> list[Any]:
@@ -40,7 +79,7 @@ def start_ranks(cfg: DeploymentConfig, groups: StageGroups, generation: int) -> 
                 num_cpus=cfg.cpus_per_rank,
                 num_gpus=cfg.gpus_per_rank,
                 scheduling_strategy=strategy,
-                name=f"hicache-{cfg.name}-g{generation}-rank{rank}",
+                name=_rank_name(cfg.name, generation, rank),
                 namespace="hicache",
             ).remote(cfg, rank, generation)
         )

@@ -49,7 +49,15 @@ from hicache_ray.storage.page_format import (
 from hicache_ray.storage.paged import PagedBackend
 from hicache_ray.storage.registry import with_faults
 
-__all__ = ["NAMESPACE", "RayObjects", "mark_dropped", "shard_name", "shared_storage"]
+__all__ = [
+    "NAMESPACE",
+    "RayObjects",
+    "check_shard_count",
+    "existing_shards",
+    "mark_dropped",
+    "shard_name",
+    "shared_storage",
+]
 
 log = logging.getLogger(__name__)
 
@@ -124,17 +132,30 @@ def _is_dropped(name: str) -> bool:
     return internal_kv._internal_kv_get(_DROPPED + name.encode(), namespace=NAMESPACE) is not None
 
 
-def _existing_shards(name: str) -> int | None:
-    """The shard count of store ``name`` as its shard 0 reports it; None: no such store."""
+def existing_shards(name: str, timeout_s: float) -> int | None:
+    """The shard count of store ``name`` as its shard 0 reports it within ``timeout_s``;
+    None: no such store, or it does not answer (dying, restarting or still starting)."""
     try:
         shard = ray.get_actor(shard_name(name, 0), namespace=NAMESPACE)
     except ValueError:
         return None
     try:
-        found = cast(dict[str, int], ray.get(shard.describe.remote(), timeout=30))
+        found = cast(dict[str, int], ray.get(shard.describe.remote(), timeout=timeout_s))
     except RayError:
-        return None  # dying or restarting: the caller's own count decides
+        return None
     return found["num_shards"]
+
+
+def check_shard_count(name: str, wanted: int, found: int | None) -> None:
+    """Raise ``ConfigError`` when store ``name`` has ``found`` shards and ``wanted`` is
+    another count (0 joins the store's own count; None: the store is not known)."""
+    if found is not None and wanted and found != wanted:
+        raise ConfigError(
+            "ray.num_shards",
+            wanted,
+            f"store {name!r} was created with {found} shards",
+            "use the store's shard count (or 0 to join it), or another ray.name",
+        )
 
 
 class RayObjects(ObjectStore):
@@ -151,23 +172,63 @@ class RayObjects(ObjectStore):
         self.options = options
         self._lock = threading.Lock()
         mark_dropped(options.name, False)  # opening a store (again) makes it
-        existing = _existing_shards(options.name) if options.num_shards == 0 else None
+        existing = existing_shards(options.name, options.timeout_s)
+        check_shard_count(options.name, options.num_shards, existing)
         # 0: join the store's own count, or make one shard per node that can hold one
         self.num_shards = options.num_shards or existing or max(1, len(_candidate_nodes(options)))
         self._shards = [_shard_handle(options, i, self.num_shards) for i in range(self.num_shards)]
         self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-ray-copy")
-        found = self.call(0, "describe")
-        if found["num_shards"] != self.num_shards:
-            raise ConfigError(
-                "ray.num_shards",
-                options.num_shards,
-                f"store {options.name!r} was created with {found['num_shards']} shards",
-                "use the store's shard count, or another ray.name",
-            )
+        # NOTE: a store that is slow to start (new shard processes on a loaded machine) or
+        # restarting is not an error to whoever opens it: its batches are misses until
+        # shard 0 has answered and confirmed the shard count (``_check_ready``).
+        self._verified = existing is not None  # guarded by _lock
+        self._mismatch: ConfigError | None = None  # guarded by _lock
+        self._describe: Any = self._remote(0, "describe")  # guarded by _lock
+        if not self._verified:
+            with self._lock:
+                ref = self._describe
+            if not isinstance(ref, Exception):
+                ray.wait([ref], timeout=options.timeout_s)
+            try:
+                self._check_ready()  # a shard-count mismatch raises ConfigError
+            except OSError as exc:
+                log.warning("store %s: %s (misses until it answers)", options.name, exc)
+
+    def _check_ready(self) -> None:
+        """Return once shard 0 has confirmed the shard count; raise ``_ShardError`` (a
+        miss for the batch) while it has not answered, ``ConfigError`` on a mismatch found
+        while opening (later: a ``_ShardError`` naming it, never an error to the caller)."""
+        with self._lock:
+            if self._verified:
+                return
+            if self._mismatch is not None:
+                raise _ShardError(str(self._mismatch))
+            ref = self._describe
+        if not isinstance(ref, Exception) and not ray.wait([ref], timeout=0)[0]:
+            raise _ShardError(f"store {self.options.name!r} is starting: shard 0 has not answered")
+        answer = self._wait(0, ref)
+        with self._lock:
+            if isinstance(answer, Exception):
+                self._describe = self._remote(0, "describe")  # ask again for the next batch
+                raise answer
+            try:
+                check_shard_count(self.options.name, self.num_shards, answer["num_shards"])
+            except ConfigError as exc:
+                self._mismatch = exc
+                log.error("store %s: %s", self.options.name, exc)
+                raise
+            self._verified = True
+
+    def _ready_or_miss(self) -> None:
+        try:
+            self._check_ready()
+        except ConfigError as exc:
+            raise _ShardError(str(exc)) from exc
 
     # ------------------------------------------------------------- batches
 
     def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
+        self._ready_or_miss()
         out: list[SizeOutcome] = [None] * len(keys)
         for idx, answer in self._fan_out(keys, "sizes"):
             for i, value in zip(idx, _spread(answer, len(idx)), strict=True):
@@ -182,6 +243,7 @@ class RayObjects(ObjectStore):
     def write_many(
         self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
     ) -> list[Exception | None]:
+        self._ready_or_miss()
         errors: list[Exception | None] = [None] * len(keys)
         chunks = []  # (shard, key indices) of at most ~object_bytes each
         for shard, idx in self._by_shard(keys).items():
@@ -228,6 +290,7 @@ class RayObjects(ObjectStore):
         # while the other shards' answers are still on their way, in one job per copy
         # thread (a future per page cost more than its copy). Copies may so run past a key
         # that turns out absent; every copy is waited for before returning.
+        self._ready_or_miss()
         n = len(keys)
         where: list[Any] = [None] * n  # True (copying), None (absent), or the failure
         gap = n  # lowest key known not to be readable: nothing past it is copied

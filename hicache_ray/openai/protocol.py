@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 MAX_TOKENS_DEFAULT = 16
+# NOTE: 0 is refused (400), not read as "unset": a client asking for no tokens is told so
+# rather than silently given the default.
+_TokenLimit = Annotated[int, msgspec.Meta(ge=1)] | None
 
 
 class OpenAIError(Exception):
@@ -47,10 +50,12 @@ class OpenAIError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
         self.param, self.code = param, code
+        self.retry_after_s = retry_after_s  # sent as ``Retry-After`` (503s)
 
 
 class Message(msgspec.Struct, frozen=True):
@@ -64,7 +69,7 @@ class StreamOptions(msgspec.Struct, frozen=True):
 
 class _Common(msgspec.Struct, frozen=True, kw_only=True):
     model: str
-    max_tokens: int | None = None
+    max_tokens: _TokenLimit = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -87,7 +92,7 @@ class ChatRequest(_Common, frozen=True, kw_only=True):
     """``POST /v1/chat/completions``: messages rendered by the model's chat template."""
 
     messages: list[Message]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: _TokenLimit = None
 
 
 def decode_body(data: bytes, kind: type[CompletionRequest] | type[ChatRequest]) -> Any:

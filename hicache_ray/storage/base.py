@@ -78,8 +78,8 @@ class StorageBackend(ABC):
         """Read leading pages into ``buffers`` (contiguous CPU tensors of each page's
         dtype and shape) and verify them; returns how many leading pages are valid.
 
-        Buffers past the returned count hold their old bytes, or zeros where the store
-        wrote (never unverified bytes). A page that fails verification is deleted and
+        Buffers past the returned count are zero-filled (never unverified bytes, whatever
+        the store read ahead). A page that fails verification is deleted and
         counted in ``corrupt_pages``; it ends the batch. Never raises for a missing,
         corrupt or unreadable page.
 

@@ -54,7 +54,8 @@ class ObjectStore(ABC):
         :class:`StridedOut`: the payload's place in a buffer laid out otherwise); stops
         after the first key that is absent or fails. A payload not exactly ``out.nbytes``
         long, or a malformed frame, is a :class:`CorruptPage` in its place. Returns once
-        nothing touches ``outs`` any more."""
+        nothing touches ``outs`` any more; ``outs`` past the returned outcomes may hold
+        bytes read ahead (unverified: :class:`PagedBackend` zero-fills them)."""
 
     @abstractmethod
     def write_many(

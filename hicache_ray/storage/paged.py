@@ -12,8 +12,8 @@ What is checked where:
 * **The stored object** (``get``): frame, format version, namespace digest, key, dtype,
   shape, payload length and checksum (:func:`~hicache_ray.storage.page_format.verify`).
   Only a fault there makes a miss: the object is deleted and counted in ``corrupt_pages``.
-  A page that fails ends the batch; every buffer the store wrote past the returned count is
-  zero-filled before ``get`` returns, so no unverified byte is left in a caller's buffer
+  A page that fails ends the batch; every buffer past the returned count is zero-filled
+  before ``get`` returns (read-ahead included), so no unverified byte is left in a caller's buffer
   (prefetches read into host-pool slots).
 
 Threading: every public method may run on any thread. ``_lock`` guards the index and the
@@ -157,8 +157,10 @@ class PagedBackend(StorageBackend):
                         for key in keys[i:]:
                             self._index.forget(key)
                 break
-        for buf in buffers[done : len(outcomes)]:
-            buf.zero_()  # the store wrote there, and nothing there is verified
+        # NOTE: every buffer past the count, not only those of the outcomes returned: a
+        # store may have read ahead into buffers past the key that ended the batch.
+        for buf in buffers[done:]:
+            buf.zero_()
         return min(done, len(keys))
 
     def put(

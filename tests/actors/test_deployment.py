@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from hicache_ray.errors import ConfigError
@@ -143,6 +144,28 @@ def test_a_deployment_that_cannot_form_says_why(ray_local: None) -> None:
     )
     with pytest.raises(PlacementError, match="CPU: need 12"):
         actors.Deployment.launch(too_big)
+
+
+def test_a_second_deployment_of_a_running_name_or_another_shard_count_is_refused(
+    ray_local: None, tp2: Any, store: str
+) -> None:
+    """Both refusals are ``ConfigError``s naming the field, before anything is created."""
+    from ray.util import placement_group_table
+
+    def groups() -> int:
+        return sum(g["state"] != "REMOVED" for g in placement_group_table().values())
+
+    before = groups()
+    with pytest.raises(ConfigError, match=r"name='tp2'.*is running"):
+        actors.Deployment.launch(actors.DeploymentConfig(name="tp2", model=MODEL))
+    cache = cache_config(store)
+    ray_options = msgspec.structs.replace(cache.storage.ray, num_shards=3)
+    cache = msgspec.structs.replace(
+        cache, storage=msgspec.structs.replace(cache.storage, ray=ray_options)
+    )
+    with pytest.raises(ConfigError, match=r"ray.num_shards=3.*created with 2 shards"):
+        actors.Deployment.launch(actors.DeploymentConfig(name="other", model=MODEL, cache=cache))
+    assert groups() == before
 
 
 def test_stats_command_and_prometheus_metrics(

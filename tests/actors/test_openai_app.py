@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -162,14 +164,88 @@ def test_every_error_status(server: tuple[int, Path]) -> None:
     status, _ = _post(port, "/v1/nothing", b"{}")
     assert status == 404
 
+    for raw in (
+        b'{"model": "qwen3", "prompt": "x", "max_tokens": 0}',
+        b'{"model": "qwen3", "messages": [{"role": "user", "content": "x"}], '
+        b'"max_completion_tokens": 0}',
+    ):
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        status, body = _post(port, path, raw)
+        assert status == 400 and "max_" in body["error"]["param"], raw
+
     # overloaded: two requests fit the pool at once and one more may wait; the rest are 503
-    def one(i: int) -> int:
+    # with Retry-After, streamed or not (a stream sends nothing before it is admitted)
+    def one(i: int) -> tuple[int, str | None]:
         try:
-            client.completions.create(model="qwen3", prompt=[5, 6, 7 + i], max_tokens=400)
+            if i % 2:
+                for _ in client.completions.create(
+                    model="qwen3", prompt=[5, 6, 7 + i], max_tokens=400, stream=True
+                ):
+                    pass
+            else:
+                client.completions.create(model="qwen3", prompt=[5, 6, 7 + i], max_tokens=400)
         except openai.APIStatusError as exc:
-            return int(exc.status_code)
-        return 200
+            return int(exc.status_code), exc.response.headers.get("retry-after")
+        return 200, None
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        statuses = list(pool.map(one, range(8)))
+        answers = list(pool.map(one, range(8)))
+    statuses = [status for status, _ in answers]
     assert statuses.count(503) >= 3 and statuses.count(200) >= 2, statuses
+    assert all(retry == "1" for status, retry in answers if status == 503), answers
+
+
+def _rank_actor(rank: int) -> Any:
+    """Rank ``rank`` of the newest generation of the app's deployment."""
+    pattern = re.compile(r"hicache-openai-\d+-g(\d+)-rank" + str(rank))
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "hicache" and pattern.fullmatch(a["name"])
+    ]
+    newest = max(names, key=lambda n: int(pattern.fullmatch(n).group(1)))  # type: ignore[union-attr]
+    return ray.get_actor(newest, namespace="hicache")
+
+
+def test_a_rank_killed_mid_stream_loses_no_request(server: tuple[int, Path]) -> None:
+    """12 requests decode together (6 streamed, 6 not); rank 1 dies after every stream sent
+    some text; every answer equals the same request run alone. The server queues one
+    request (``max_queued=1``): clients retry its 503s after ``Retry-After``."""
+    port, _ = server
+    client = _client(port).with_options(max_retries=20)
+    prompts = [[5 + i, 40 + 3 * i, 70 + i, 9] for i in range(12)]
+    reference = [
+        client.completions.create(model="qwen3", prompt=p, max_tokens=48).choices[0].text
+        for p in prompts
+    ]
+    started = [threading.Event() for _ in prompts]
+    paused: list[int] = []  # streams that had sent text and were still open at the kill
+    kill_done = threading.Event()
+
+    def run(i: int) -> str:
+        if i % 2:
+            answer = client.completions.create(model="qwen3", prompt=prompts[i], max_tokens=48)
+            return str(answer.choices[0].text)
+        pieces = []
+        for chunk in client.completions.create(
+            model="qwen3", prompt=prompts[i], max_tokens=48, stream=True
+        ):
+            pieces += [c.text for c in chunk.choices if c.text]
+            if pieces and not started[i].is_set():
+                paused.append(i)
+                started[i].set()
+                kill_done.wait(120)
+        started[i].set()  # ended (an early stop) without text to pause at
+        return "".join(pieces)
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(run, i) for i in range(12)]
+        try:
+            for i in range(0, 12, 2):
+                assert started[i].wait(120), f"stream {i} sent nothing"
+            ray.kill(_rank_actor(1), no_restart=True)
+        finally:
+            kill_done.set()
+        texts = [f.result(timeout=300) for f in futures]
+    assert len(paused) >= 3, paused
+    assert texts == reference

@@ -25,6 +25,7 @@ from tests.integrations.sglang_util import (
     expected,
     fill,
     host_pool,
+    native_page,
     page_matches,
     storage_config,
 )
@@ -186,8 +187,12 @@ def test_corrupt_object_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
     data[-3] ^= 0x40  # one bit of the payload
     victim.write_bytes(bytes(data))
     reader_pool = host_pool(1, "page_head")
+    reader_pool.kv_buffer.fill_(1)
     reader = attach(storage_config(_extra(tmp_path)), reader_pool)
     assert reader.batch_get_v1(HASHES, _slots(HOST_PAGES)) == [True, False, False]
+    # the batch ends in page 1 (its head group 1): nothing of page 2, which the store may
+    # have read ahead, is left in the pool
+    assert not native_page(reader_pool, HOST_PAGES[2]).any()
     assert reader.storage_stats().corrupt_pages == 1 and not victim.exists()
     assert reader.batch_exists(HASHES) == 1
 

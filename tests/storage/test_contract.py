@@ -274,3 +274,43 @@ def test_delete(backend_factory) -> None:
     backend.delete([*keys[1:], "0" * 64 + "_absent"])
     assert backend.exists(keys) == 1 and backend.stats().num_objects == 1
     backend.check_integrity()
+
+
+def _damage(objects, plan, keys: list[str], pages: list[torch.Tensor], at: int, kind: str) -> None:
+    """Replace the stored object of ``keys[at]``: removed, a payload byte flipped, the
+    payload truncated, or the object of the next page stored under its name."""
+    objects.remove_many([keys[at]])
+    if kind == "missing":
+        return
+    src = (at + 1) % len(keys) if kind == "swapped" else at
+    payload = bytearray(payload_view(pages[src]))
+    header = encode_header(keys[src], plan.digest, pages[src], payload_view(pages[src]))
+    if kind == "flipped":
+        payload[-1] ^= 0x01
+    elif kind == "truncated":
+        payload = payload[:-3]
+    assert objects.write_many([keys[at]], [header], [memoryview(payload)]) == [None]
+
+
+@pytest.mark.parametrize("kind", ["missing", "flipped", "truncated", "swapped"])
+@pytest.mark.parametrize("num_keys", [4, 12])
+def test_nothing_past_the_count_holds_stored_bytes(
+    backend_factory, object_store_factory, kind: str, num_keys: int
+) -> None:
+    """A bad object at any position of a batch (a flipped one right after it) ends the
+    batch there, and every buffer from it on is zero-filled: read-ahead and in-flight
+    reads leave no bytes behind."""
+    objects = object_store_factory()
+    plan = make_plan()
+    for at in range(num_keys):
+        keys, pages = page_keys(plan, num_keys, seed=at + 1), make_pages(plan, num_keys, seed=at)
+        backend = backend_factory(plan, objects=objects, scan_on_start=False)
+        assert backend.put(keys, pages) == num_keys
+        store = getattr(objects, "inner", objects)
+        _damage(store, plan, keys, pages, at, kind)
+        if at + 1 < num_keys:
+            _damage(store, plan, keys, pages, at + 1, "flipped")
+        out = empty_buffers(plan, num_keys)  # filled with -1
+        assert backend.get(keys, out) == at, f"damaged at {at}"
+        assert _equal(out[:at], pages[:at]), f"damaged at {at}"
+        assert all(not b.any() for b in out[at:]), f"bytes left past {at}"
