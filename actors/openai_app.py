@@ -47,7 +47,13 @@ from hicache_ray.openai.protocol import (
 from hicache_ray.openai.text import IncrementalText, text_codec
 from hicache_ray.request import GenerateRequest, RequestResult, SamplingParams, StreamChunk
 
-__all__ = ["MAX_BODY_BYTES", "OpenAIApp", "build_app", "max_ongoing_requests"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "OpenAIApp",
+    "build_app",
+    "max_ongoing_requests",
+    "serve_app",
+]
 
 MAX_BODY_BYTES = 4 << 20
 CHAT_MAX_TOKENS_DEFAULT = 256
@@ -236,14 +242,9 @@ def max_ongoing_requests(config: DeploymentConfig) -> int:
     return config.scheduler.max_running + config.scheduler.max_queued
 
 
-def build_app(args: dict[str, str]) -> Any:
-    """The app builder of ``serve run actors.openai_app:build_app key=value ...`` (and of
-    ``hicache-ray serve``): ``model`` (a preset or a checkpoint directory), ``tp``, ``pp``,
-    ``storage`` (``ray``, ``file`` or ``none``), ``storage_root``, ``store``,
-    ``device_tokens``, ``page_size``, ``served_name``, ``keep_store``, ``max_queued``."""
-    from actors.serve_config import serve_deployment_config
-
-    config = serve_deployment_config(args)
+def serve_app(config: DeploymentConfig, served_name: str = "", keep_store: bool = False) -> Any:
+    """The Serve application of one replica serving ``config`` (bundles for its ranks,
+    ``max_ongoing_requests`` from its limits), ready for ``serve.run``."""
     bundles = [
         {"CPU": config.cpus_per_rank, "GPU": float(config.gpus_per_rank)}
         if config.gpus_per_rank
@@ -259,5 +260,15 @@ def build_app(args: dict[str, str]) -> Any:
         placement_group_bundles=bundles,
         placement_group_strategy="PACK",
     )
+    return app.bind(config, served_name, keep_store)
+
+
+def build_app(args: dict[str, str]) -> Any:
+    """The app builder of ``serve run actors.openai_app:build_app key=value ...`` (and of
+    ``hicache-ray serve``): ``model`` (a preset or a checkpoint directory), ``tp``, ``pp``,
+    ``storage`` (``ray``, ``file`` or ``none``), ``storage_root``, ``store``,
+    ``device_tokens``, ``page_size``, ``served_name``, ``keep_store``, ``max_queued``."""
+    from actors.serve_config import serve_deployment_config
+
     keep = args.get("keep_store", "false").lower() in ("1", "true", "yes")
-    return app.bind(config, args.get("served_name", ""), keep)
+    return serve_app(serve_deployment_config(args), args.get("served_name", ""), keep)

@@ -27,7 +27,7 @@ from hicache_ray.bench.report import Figure, figure
 from hicache_ray.multiturn.options import ExperimentOptions
 from hicache_ray.request import GenerateRequest
 
-__all__ = ["SERVE_MODES", "ServeOptions", "run_serve_bench"]
+__all__ = ["SERVE_MODES", "ServeOptions", "Turn", "mode_figures", "run_serve_bench"]
 
 SERVE_MODES = ("none", "l1_l2", "l1_l2_l3")
 
@@ -53,6 +53,7 @@ class ServeOptions:
     batch_running: int = 16  # requests running at once for the batching speedup
     decode_tokens: int = 48  # generated per request in the batching measurement
     overload_factor: int = 4  # clients per request the pool holds, in the overload run
+    http: bool = False  # also through the OpenAI endpoint (``actors.serve_http_bench``)
 
     @classmethod
     def quick(cls) -> ServeOptions:
@@ -70,7 +71,9 @@ class ServeOptions:
 
 
 @dataclass
-class _Turn:
+class Turn:
+    """What one client saw of one turn."""
+
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -78,8 +81,8 @@ class _Turn:
     failed: bool = False
 
 
-async def _stream(dep: Deployment, request: GenerateRequest) -> tuple[_Turn, list[int]]:
-    turn, out = _Turn(), list[int]()
+async def _stream(dep: Deployment, request: GenerateRequest) -> tuple[Turn, list[int]]:
+    turn, out = Turn(), list[int]()
     start = last = time.perf_counter()
     try:
         async for chunk in dep.stream(request):
@@ -100,11 +103,11 @@ async def _stream(dep: Deployment, request: GenerateRequest) -> tuple[_Turn, lis
     return turn, out
 
 
-async def _clients(dep: Deployment, opts: ServeOptions, tag: str) -> tuple[list[_Turn], float]:
+async def _clients(dep: Deployment, opts: ServeOptions, tag: str) -> tuple[list[Turn], float]:
     """Every client's conversation; returns the turns and the wall time."""
     exp = opts.experiment
     trace = exp.trace(exp.rounds)
-    turns: list[_Turn] = []
+    turns: list[Turn] = []
     rnd = random.Random(exp.seed)
     gate = asyncio.Semaphore(0) if opts.rate > 0 else None
 
@@ -141,7 +144,8 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def _mode_figures(mode: str, turns: list[_Turn], wall: float) -> list[Figure]:
+def mode_figures(mode: str, turns: list[Turn], wall: float) -> list[Figure]:
+    """The figures ``serve.{mode}.*`` of one mode's turns."""
     done = [t for t in turns if not t.failed]
     ttft = [t.ttft_s * 1e3 for t in done]
     itl = [g * 1e3 for t in done for g in t.itl_s]
@@ -182,7 +186,7 @@ async def _decode_rate(dep: Deployment, n: int, tokens: int, batched: bool) -> f
 
 def _run_mode(
     mode: str, opts: ServeOptions, log: Callable[[str], None]
-) -> tuple[list[_Turn], float]:
+) -> tuple[list[Turn], float]:
     exp = opts.experiment
     cache, reuse = mode_cache(mode, exp.cache())
     dep = Deployment.launch(
@@ -208,14 +212,20 @@ def run_serve_bench(opts: ServeOptions, log: Callable[[str], None] = print) -> l
     with embedded_ray(exp.tp_size * exp.pp_size):
         for mode in opts.modes:
             turns, wall = _run_mode(mode, opts, log)
-            found += _mode_figures(mode, turns, wall)
+            found += mode_figures(mode, turns, wall)
             rates[mode] = sum(not t.failed for t in turns) / wall
+        api: dict[str, float] = {}
         if "none" in rates and "l1_l2_l3" in rates:
-            found.append(
-                figure("serve.cache_speedup", rates["l1_l2_l3"] / rates["none"], "x", target=2.5)
-            )
-        found += _batching(opts, log)
+            api["cache_speedup"] = rates["l1_l2_l3"] / rates["none"]
+            found.append(figure("serve.cache_speedup", api["cache_speedup"], "x", target=2.5))
+        batching = _batching(opts, log)
+        api["batching_speedup"] = batching[-1].value
+        found += batching
         found += _overload(opts, log)
+        if opts.http:
+            from actors.serve_http_bench import run_http_modes
+
+            found += run_http_modes(opts, api, log)
     return found
 
 

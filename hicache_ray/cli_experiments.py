@@ -21,6 +21,7 @@ from hicache_ray.cli_args import (
     positive_int,
 )
 from hicache_ray.config import PrefetchPolicy, WritePolicy
+from hicache_ray.errors import ConfigError
 
 __all__ = [
     "QUICK",
@@ -151,6 +152,12 @@ def add_serve_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=csv_of(_SERVE_MODES), help="a subset, A,B [all]")
     p.add_argument("--model", choices=MODEL_PRESETS, help="reference model [bench; quick tiny4]")
     p.add_argument("--tp", type=positive_int, help="TP size of every deployment [1]")
+    p.add_argument(
+        "--http",
+        action="store_true",
+        help="also run the clients through the OpenAI endpoint (none and l1_l2_l3 modes; "
+        "needs the openai package) and compare with the Python API",
+    )
 
 
 def serve_options(args: argparse.Namespace) -> Any:
@@ -166,9 +173,12 @@ def serve_options(args: argparse.Namespace) -> Any:
     }
     exp = dataclasses.replace(opts.experiment, **{k: v for k, v in given.items() if v is not None})
     exp.validate()
+    if args.http and args.rate:
+        raise ConfigError("--http", True, "the HTTP clients run closed loop", "drop --rate")
     return dataclasses.replace(
         opts,
         experiment=exp,
         modes=args.modes or opts.modes,
         rate=opts.rate if args.rate is None else args.rate,
+        http=args.http,
     )

@@ -261,3 +261,23 @@ def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -
     drain(rt)
     assert encoded == [len(tokens)]
     rt.ctl.close()
+
+
+def test_pages_being_backed_up_leave_the_device_for_a_new_request() -> None:
+    """A backup to L3 reads the host copy: it pins the host slots, not the device pages,
+    so a request that needs the device pool evicts them instead of failing."""
+    rt = runtime(MemoryObjects(), faults=(Fault(op="write", kind="delay", delay_s=0.3),))
+    warm = run(rt, GenerateRequest("warm", prompt(1, 120), 4))  # 31 of the 64 pages
+    assert warm.error is None
+    for _ in range(100):  # until its (slow) backup is in flight
+        if rt.ctl.acks.pending_backups:
+            break
+        rt.step()
+        rt.ctl.cache.flush()
+    assert rt.ctl.acks.pending_backups
+    tokens = prompt(2, 150)
+    big = run(rt, GenerateRequest("big", tokens, 8))  # 40 pages: the warm-up's must go
+    assert big.error is None, big.error
+    reference = runtime(None)
+    assert big.output_tokens == run(reference, GenerateRequest("ref", tokens, 8)).output_tokens
+    rt.ctl.check_integrity()

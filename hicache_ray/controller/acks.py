@@ -107,7 +107,9 @@ class Acknowledger:
         for n in reversed(chain):
             task = BackupTask(n, self._hashes(n), list(n.host_pages or ()), parent_task)
             n.backup = task
-            tree.lock(n)  # its host slots stay put until the backup is acknowledged
+            # Its host slots stay put until the backup is acknowledged; its device pages
+            # may be evicted meanwhile (they are not what the backup reads).
+            tree.lock(n, host_only=True)
             self._backups.append(task)
             assert self._backup is not None
             self._backup.submit(task)
@@ -115,7 +117,7 @@ class Acknowledger:
 
     def _ack_backup(self, task: BackupTask, *, ok: bool) -> None:
         node = task.node
-        self._cache.tree.unlock(node)
+        self._cache.tree.unlock(node, host_only=True)
         if ok:
             self._stats.backed_up_pages += len(task.hashes)
             self._stats.backup_bytes += task.num_bytes

@@ -48,6 +48,9 @@ SGLANG_KEYS = frozenset(
         "hicache_storage_pass_prefix_keys",
     }
 )
+# Keys SGLang adds to every backend's extra_config on its own (``--file-storage-path`` adds
+# ``file_storage_path``): accepted, logged and ignored (they configure SGLang's file backend).
+SGLANG_ADDED_KEYS = frozenset({"file_storage_path"})
 
 
 class SGLangStoreOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -107,7 +110,11 @@ def parse_options(extra: object) -> SGLangStoreOptions:
             "send cache_salt with each SGLang request; it equals a hicache-ray deployment's "
             "tenant_salt, so both name the same pages",
         )
-    ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
+    for key in SGLANG_ADDED_KEYS & set(extra):
+        log.info(
+            "hicache-ray: ignoring extra_config[%r] (SGLang adds it for its own file backend)", key
+        )
+    ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS | SGLANG_ADDED_KEYS}
     try:
         return msgspec.convert(ours, SGLangStoreOptions, strict=True)
     except msgspec.ValidationError as exc:

@@ -5,7 +5,11 @@ around every call. Budget: a put reserves its bytes first (:meth:`PageIndex.rese
 evicting least recently used pages until the reservation fits; the reservation becomes an
 entry when the write succeeds (:meth:`PageIndex.commit`) or is given back
 (:meth:`PageIndex.release`). Metadata cache: a key seen present is trusted for ``ttl_s``;
-absence is never cached, so pages other writers store show up at once.
+absence is never cached for lookups and reads, so pages other writers store show up at
+once. It is noted for the next write only (:meth:`PageIndex.note_absent`): a backup asks
+whether its pages exist, then writes the absent ones without asking again (one round trip
+per new page; a page another writer stored meanwhile, or one past a hole that eviction
+made, is written again, which is harmless: the same name holds the same bytes).
 
 Accounting identity (:meth:`PageIndex.check_integrity`): ``used_bytes`` equals the bytes of
 the entries plus the reservations outstanding, and the entries fit the capacity.
@@ -16,6 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 __all__ = ["PageIndex"]
+
+_MAX_ABSENT = 1 << 16  # absence notes kept (oldest dropped first)
 
 
 class _Entry:
@@ -38,6 +44,7 @@ class PageIndex:
         self.capacity_bytes = capacity_bytes
         self.ttl_s = ttl_s
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._absent: OrderedDict[str, float] = OrderedDict()  # key -> when seen absent
         self.used_bytes = 0  # entries plus outstanding reservations
         self.reserved_bytes = 0
 
@@ -56,6 +63,18 @@ class PageIndex:
         entry = self._entries.get(key)
         return entry is not None and now - entry.checked_at < self.ttl_s
 
+    def note_absent(self, key: str, now: float) -> None:
+        """``key`` was seen absent at ``now``: the next write may skip asking (see above)."""
+        self._absent[key] = now
+        self._absent.move_to_end(key)
+        while len(self._absent) > _MAX_ABSENT:
+            self._absent.popitem(last=False)
+
+    def take_absent(self, key: str, now: float) -> bool:
+        """``key`` was seen absent less than ``ttl_s`` ago (the note is used up)."""
+        seen = self._absent.pop(key, None)
+        return seen is not None and now - seen < self.ttl_s
+
     def touch(self, key: str) -> None:
         """Mark ``key`` as just used (if known)."""
         if key in self._entries:
@@ -63,6 +82,7 @@ class PageIndex:
 
     def remember(self, key: str, num_bytes: int, now: float) -> None:
         """Record ``key`` as present with ``num_bytes`` (seen at ``now``), most recent."""
+        self._absent.pop(key, None)
         entry = self._entries.get(key)
         if entry is None:
             self._entries[key] = _Entry(num_bytes, now)

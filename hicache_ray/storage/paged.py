@@ -131,6 +131,11 @@ class PagedBackend(StorageBackend):
                     self._counts["get_failures"] += 1
                     return i
                 if size is None:
+                    # NOTE: a stored prefix has no hole (writers store parents first and
+                    # stop at a failure), so the pages after an absent one are taken as
+                    # absent by the next put of them: one lookup per new page, not two.
+                    for later in keys[i:]:
+                        self._index.note_absent(later, now)
                     self._index.forget(key)
                     return i
                 self._index.remember(key, size, now)
@@ -328,10 +333,16 @@ class PagedBackend(StorageBackend):
         now = self._clock()
         found: list[bool] = [False] * len(keys)
         with self._lock:
-            ask = [i for i, key in enumerate(keys) if not self._index.fresh(key, now)]
+            # Absent within the TTL (the caller just asked ``exists``): not asked again.
+            absent = {i for i, key in enumerate(keys) if self._index.take_absent(key, now)}
+            ask = [
+                i
+                for i, key in enumerate(keys)
+                if i not in absent and not self._index.fresh(key, now)
+            ]
         asked = set(ask)
         for i in range(len(keys)):
-            found[i] = i not in asked
+            found[i] = i not in asked and i not in absent
         if not ask:
             return found
         try:
@@ -366,10 +377,17 @@ class PagedBackend(StorageBackend):
                     self._counts["evicted_pages"] += len(victims)
             if victims is None:
                 log.warning(
-                    "storage %s: a %d-byte page does not fit capacity_bytes=%d",
+                    "storage %s: page %d of a %d-page put (%d bytes) does not fit "
+                    "capacity_bytes=%d next to the %d bytes of the pages before it in the "
+                    "same put (a put never evicts its own pages); it and the %d after it "
+                    "are not stored",
                     self.name,
+                    reserved + 1,
+                    len(sizes),
                     size,
                     self.capacity_bytes,
+                    sum(sizes[:reserved]),
+                    len(sizes) - reserved - 1,
                 )
                 break
             self._remove(victims)

@@ -24,22 +24,24 @@ def check_tree(tree: HiRadixTree) -> None:
     stack = [tree.root]
     while stack:
         node = stack.pop()
-        lock_sum = 0
+        lock_sum = host_lock_sum = 0
         device_children = 0
         for first, child in node.children.items():
             assert child.parent is node, f"{child}: wrong parent"
             assert child.key[:page] == first, f"{child}: indexed under another page"
             lock_sum += child.lock_ref
+            host_lock_sum += child.host_lock_ref
             device_children += child.device_pages is not None
             stack.append(child)
         assert node is tree.root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
+        assert node is tree.root or node.host_lock_ref >= host_lock_sum, f"{node}: host lock"
         assert node.num_device_children == device_children, f"{node}: device child count"
         if node is tree.root:
             continue
         count += 1
         pages = len(node.key) // page
         assert node.key and len(node.key) % page == 0, f"{node}: key not whole pages"
-        assert node.lock_ref >= 0, f"{node}: negative lock_ref"
+        assert node.lock_ref >= 0 and node.host_lock_ref >= 0, f"{node}: negative lock"
         assert node.children or not node.dead, f"{node}: dead leaf"
         parent = node.parent
         assert parent is not None

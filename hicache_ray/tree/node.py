@@ -52,6 +52,7 @@ class TreeNode:
         "device_pages",
         "device_pending",
         "hit_count",
+        "host_lock_ref",
         "host_pages",
         "host_pending",
         "id",
@@ -73,6 +74,7 @@ class TreeNode:
         self.device_pending: Pending | None = None
         self.host_pending: Pending | None = None
         self.lock_ref = 0
+        self.host_lock_ref = 0  # locks against host eviction only (a backup reading it)
         self.hit_count = 0
         self.last_access = 0
         self.num_device_children = 0
@@ -99,11 +101,16 @@ class TreeNode:
     def num_pages(self) -> int:
         return len(self.device_pages if self.device_pages is not None else self.host_pages or ())
 
+    @property
+    def host_locked(self) -> bool:
+        """Locked against host eviction (by either kind of lock)."""
+        return bool(self.lock_ref or self.host_lock_ref)
+
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.id}, tokens={len(self.key) // 4}, "
             f"device={self.device_pages is not None}, host={self.host_pages is not None}, "
-            f"lock={self.lock_ref})"
+            f"lock={self.lock_ref}, host_lock={self.host_lock_ref})"
         )
 
 

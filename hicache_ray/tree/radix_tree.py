@@ -9,7 +9,8 @@ Invariants (checked by :meth:`HiRadixTree.check_integrity`):
   * device residency is closed towards the root: a node on the device has a parent on the
     device (or the root), so the device-ready part of a match is a prefix of it;
   * a node's ``lock_ref`` counts locks on it and on its descendants, so a locked path is
-    never evicted from either tier;
+    never evicted from either tier; ``host_lock_ref`` likewise, from the host tier only
+    (a backup reads the host copy; the device copy may go meanwhile);
   * a non-root node without children holds KV in some tier (dead leaves are deleted).
 """
 
@@ -207,18 +208,26 @@ class HiRadixTree:
             node, pos = child, pos + klen
         return result
 
-    def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction in both tiers."""
+    def lock(self, node: TreeNode, *, host_only: bool = False) -> None:
+        """Protect ``node`` and its ancestors from eviction in both tiers; ``host_only``:
+        from host eviction only (``node`` has a host copy; its device pages may go)."""
         while node is not self.root:
-            node.lock_ref += 1
+            if host_only:
+                node.host_lock_ref += 1
+            else:
+                node.lock_ref += 1
             assert node.parent is not None
             node = node.parent
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode, *, host_only: bool = False) -> None:
+        """Undo one :meth:`lock` of ``node`` (the same ``host_only``)."""
         while node is not self.root:
-            if node.lock_ref <= 0:
+            if (node.host_lock_ref if host_only else node.lock_ref) <= 0:
                 raise RuntimeError(f"unlock of {node} which is not locked")
-            node.lock_ref -= 1
+            if host_only:
+                node.host_lock_ref -= 1
+            else:
+                node.lock_ref -= 1
             assert node.parent is not None
             node = node.parent
 
@@ -312,12 +321,12 @@ class HiRadixTree:
 
     def evict_host(self, num_pages: int) -> list[int]:
         """Evict at least ``num_pages`` host pages from host-only leaves, LRU first."""
-        heap = [(n.last_access, n.id, n) for n in self._host_leaves if not n.lock_ref]
+        heap = [(n.last_access, n.id, n) for n in self._host_leaves if not n.host_locked]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
             node = heapq.heappop(heap)[2]
-            if node.lock_ref or node.device_pages is not None or node.children:
+            if node.host_locked or node.device_pages is not None or node.children:
                 continue
             parent = node.parent
             freed.extend(node.host_pages or ())
@@ -325,7 +334,7 @@ class HiRadixTree:
                 self.num_host_pages -= len(node.host_pages)
                 node.host_pages = None
             self._delete(node)
-            if parent is not None and parent in self._host_leaves and not parent.lock_ref:
+            if parent is not None and parent in self._host_leaves and not parent.host_locked:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
@@ -392,6 +401,7 @@ class HiRadixTree:
         mid.device_pending = child.device_pending
         mid.host_pending = child.host_pending
         mid.lock_ref = child.lock_ref
+        mid.host_lock_ref = child.host_lock_ref
         mid.hit_count = child.hit_count
         mid.last_access = child.last_access = now
         child.key = child.key[split_len:]
@@ -426,7 +436,7 @@ class HiRadixTree:
 
     def _delete(self, node: TreeNode) -> None:
         """Remove a childless node with no KV left in any tier; dead parents follow."""
-        while node is not self.root and node.dead and not node.children and not node.lock_ref:
+        while node is not self.root and node.dead and not node.children and not node.host_locked:
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[: self._page_bytes]]

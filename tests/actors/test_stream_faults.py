@@ -99,3 +99,37 @@ def test_streams_and_plain_requests_survive_a_killed_rank(ray_local: None, deplo
         assert result is not None and result.error is None, (i, result)
         assert tokens == expected, f"request {i}: {len(tokens)} tokens, wrong or duplicated"
         assert result.output_tokens == expected, i
+
+
+def test_streams_beyond_the_pool_wait_instead_of_failing(ray_local: None) -> None:
+    """8 streams of 11-16 pages each on a 64-page pool, after a warm-up that left a shared
+    prefix in the tree: those that do not fit wait in the queue; none fails."""
+    config = actors.DeploymentConfig(
+        name="small-pool",
+        model=MODEL,
+        tp_size=2,
+        cache=cache_config(None, device_tokens=64 * 4),
+        host_budget_bytes=16 << 20,
+    )
+    deployment = actors.Deployment.launch(config)
+    system = prompt(400, 18)
+    prompts = [system + prompt(401 + i, 3 + 3 * i) for i in range(8)]
+    lengths = [18 + 2 * i for i in range(8)]
+
+    async def run() -> list[tuple[list[int], RequestResult | None]]:
+        warm = await deployment.generate_async(GenerateRequest("warm", [*system, 1], 8))
+        assert warm.error is None, warm
+        streams = [
+            _Stream(deployment, GenerateRequest(f"p{i}", prompts[i], lengths[i]), 10**6)
+            for i in range(8)
+        ]
+        await asyncio.gather(*(s.task for s in streams))
+        return [(s.tokens, s.result) for s in streams]
+
+    try:
+        outcomes = asyncio.run(run())
+    finally:
+        deployment.shutdown()
+    for i, (tokens, result) in enumerate(outcomes):
+        assert result is not None and result.error is None, (i, result)
+        assert tokens == recompute(prompts[i], lengths[i]), i

@@ -137,7 +137,8 @@ def test_bench_soak_short_form_holds(tmp_path: Path, ray_local: None) -> None:
 
 def test_bench_serve_quick_writes_every_figure(tmp_path: Path, ray_local: None) -> None:
     out = tmp_path / "serve.json"
-    assert main(["bench", "serve", "--quick", "--clients", "3", "--json", str(out)]) == 0
+    argv = ["bench", "serve", "--quick", "--clients", "3", "--http", "--json", str(out)]
+    assert main(argv) == 0
     report = msgspec.json.decode(out.read_bytes(), type=Report)
     by_name = {f.name: f for f in report.figures}
     assert report.config["experiment"]["clients"] == 3  # an explicit flag beats --quick
@@ -149,4 +150,11 @@ def test_bench_serve_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     assert by_name["serve.cache_speedup"].target == 2.5
     assert by_name["serve.batching_speedup"].value > 0
     assert by_name["serve.overload.failed_requests"].value == 0
+    for mode in ("none", "l1_l2_l3"):  # the same clients through the OpenAI endpoint
+        assert by_name[f"serve.http.{mode}.requests_per_s"].value > 0
+        assert by_name[f"serve.http.{mode}.ttft_p50_ms"].value > 0
+    assert by_name["serve.http.failed_requests"].value == 0
+    speedup = by_name["serve.http.cache_speedup.vs_api"]
+    assert speedup.ceiling == by_name["serve.cache_speedup"].value and speedup.ratio is not None
+    assert by_name["serve.http.batching_speedup"].value > 0
     assert (tmp_path / "serve.png").exists()

@@ -257,6 +257,19 @@ def test_bad_extra_config_is_refused(tmp_path: Path, extra: dict[str, Any], matc
         attach(storage_config({**_extra(tmp_path), **extra}), host_pool(1, "page_first"))
 
 
+def test_keys_sglang_adds_on_its_own_are_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--file-storage-path`` makes SGLang add ``file_storage_path`` to every backend's
+    extra_config: the backend starts, says it ignores the key, and stores where it was told."""
+    extra = {**_extra(tmp_path), "file_storage_path": str(tmp_path / "sglang-files")}
+    with caplog.at_level("INFO"):
+        backend = attach(storage_config(extra), host_pool(1, "page_first"))
+    assert "ignoring extra_config['file_storage_path']" in caplog.text
+    assert all(backend.batch_set_v1(HASHES, _slots(HOST_PAGES)))
+    assert not (tmp_path / "sglang-files").exists()
+
+
 def test_no_model_name_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model_id"):
         attach(storage_config(_extra(tmp_path), model=None), host_pool(1, "page_first"))

@@ -84,6 +84,22 @@ def test_a_page_larger_than_the_capacity_is_refused(backend_factory) -> None:
     backend.check_integrity()
 
 
+def test_a_put_larger_than_the_capacity_says_what_did_not_fit(backend_factory, caplog) -> None:
+    plan = make_plan()
+    probe = backend_factory(plan, capacity_bytes=0)
+    probe.put(page_keys(plan, 1, seed=7), make_pages(plan, 1))
+    one = probe.stats().stored_bytes
+    backend = backend_factory(plan, capacity_bytes=3 * one + one // 2, scan_on_start=False)
+    with caplog.at_level("WARNING"):
+        assert backend.put(page_keys(plan, 5), make_pages(plan, 5)) == 3
+    assert (
+        f"page 4 of a 5-page put ({one} bytes) does not fit capacity_bytes={3 * one + one // 2} "
+        f"next to the {3 * one} bytes of the pages before it" in caplog.text
+    )
+    assert "it and the 1 after it are not stored" in caplog.text
+    backend.check_integrity()
+
+
 def test_concurrent_writers_of_the_same_keys(backend_factory) -> None:
     backend = backend_factory()
     plan = backend.plan
@@ -314,3 +330,27 @@ def test_nothing_past_the_count_holds_stored_bytes(
         assert backend.get(keys, out) == at, f"damaged at {at}"
         assert _equal(out[:at], pages[:at]), f"damaged at {at}"
         assert all(not b.any() for b in out[at:]), f"bytes left past {at}"
+
+
+def test_a_backup_looks_each_new_page_up_once(backend_factory, object_store_factory) -> None:
+    """The backup path (``exists``, then ``put`` of what is missing) asks the store about
+    each new page once; a later ``exists`` still asks (absence is never cached for reads)."""
+    asked: list[list[str]] = []  # the keys of each lookup call
+
+    class Counting(FaultyObjects):
+        def size_many(self, keys, leading=True):
+            asked.append(list(keys))
+            return super().size_many(keys, leading)
+
+    plan = make_plan()
+    backend = backend_factory(plan, objects=Counting(object_store_factory(), ()))
+    keys, pages = page_keys(plan, 6), make_pages(plan, 6)
+    assert backend.put(keys[:2], pages[:2]) == 2
+    asked.clear()
+    present = backend.exists(keys)
+    assert present == 2
+    assert len(asked) == 1  # the lookup of exists
+    assert backend.put(keys[present:], pages[present:]) == 4
+    assert len(asked) == 1  # the put asked nothing more
+    asked.clear()
+    assert backend.exists(keys) == 6 and not asked  # just written: known present

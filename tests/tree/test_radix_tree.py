@@ -125,6 +125,23 @@ def test_split_keeps_locks_and_pending_copies_on_both_halves() -> None:
     t.check_integrity()
 
 
+def test_a_host_only_lock_pins_the_host_copy_not_the_device_pages() -> None:
+    t = HiRadixTree(P)
+    node = t.insert(toks(1, 1, 2, 2), [0, 1]).new_nodes[0]
+    t.set_host(node, [4, 5], pending=None)
+    t.lock(node, host_only=True)  # a backup reads the host copy
+    t.match_prefix(toks(1, 1, 9, 9))  # splits: both halves keep the lock
+    t.check_integrity()
+    assert sorted(t.evict_device(2)) == [0, 1]  # the device pages may go
+    assert t.evict_host(2) == []  # the host copy may not
+    with pytest.raises(RuntimeError, match="not locked"):
+        t.unlock(node)  # a host-only lock is not a full one
+    t.unlock(node, host_only=True)
+    assert sorted(t.evict_host(2)) == [4, 5]
+    assert t.num_nodes == 0
+    t.check_integrity()
+
+
 def test_write_back_hook_sees_unwritten_victims() -> None:
     t = HiRadixTree(P)
     node = t.insert(toks(1, 1), [0]).new_nodes[0]
