@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from actors.deployment import Deployment
 from actors.multiturn import mode_cache
 from actors.stores import drop_store
-from hicache_ray.bench.report import Figure, figure
+from hicache_ray.bench.report import Figure, figure, percentile, split_figures
 from hicache_ray.multiturn.options import ExperimentOptions
-from hicache_ray.request import GenerateRequest
+from hicache_ray.request import GenerateRequest, TTFTSplit
 
 __all__ = ["SERVE_MODES", "ServeOptions", "Turn", "mode_figures", "run_serve_bench"]
 
@@ -79,6 +79,7 @@ class Turn:
     tokens: int = 0
     queue_s: float = 0.0
     failed: bool = False
+    split: TTFTSplit | None = None  # where the TTFT went on rank 0 (Python API only)
 
 
 async def _stream(dep: Deployment, request: GenerateRequest) -> tuple[Turn, list[int]]:
@@ -97,6 +98,7 @@ async def _stream(dep: Deployment, request: GenerateRequest) -> tuple[Turn, list
             if chunk.result is not None:
                 turn.failed = chunk.result.error is not None
                 turn.queue_s = chunk.result.queue_s
+                turn.split = chunk.result.ttft_split
     except Exception:
         turn.failed = True
     turn.tokens = len(out)
@@ -137,13 +139,6 @@ async def _clients(dep: Deployment, opts: ServeOptions, tag: str) -> tuple[list[
     return turns, time.perf_counter() - started
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def mode_figures(mode: str, turns: list[Turn], wall: float) -> list[Figure]:
     """The figures ``serve.{mode}.*`` of one mode's turns."""
     done = [t for t in turns if not t.failed]
@@ -153,19 +148,21 @@ def mode_figures(mode: str, turns: list[Turn], wall: float) -> list[Figure]:
     return [
         figure(f"{name}.requests_per_s", len(done) / wall, "req/s"),
         figure(f"{name}.output_tokens_per_s", sum(t.tokens for t in done) / wall, "tok/s"),
-        figure(f"{name}.ttft_p50_ms", _percentile(ttft, 50), "ms", better="lower"),
-        figure(f"{name}.ttft_p90_ms", _percentile(ttft, 90), "ms", better="lower"),
-        figure(f"{name}.ttft_p99_ms", _percentile(ttft, 99), "ms", better="lower"),
-        figure(f"{name}.itl_p50_ms", _percentile(itl, 50), "ms", better="lower"),
+        figure(f"{name}.ttft_p50_ms", percentile(ttft, 50), "ms", better="lower"),
+        figure(f"{name}.ttft_p90_ms", percentile(ttft, 90), "ms", better="lower"),
+        figure(f"{name}.ttft_p99_ms", percentile(ttft, 99), "ms", better="lower"),
+        figure(f"{name}.itl_p50_ms", percentile(itl, 50), "ms", better="lower"),
         figure(
             f"{name}.queue_wait_p50_ms",
-            _percentile([t.queue_s * 1e3 for t in done], 50),
+            percentile([t.queue_s * 1e3 for t in done], 50),
             "ms",
             better="lower",
         ),
         figure(
             f"{name}.failed_requests", len(turns) - len(done), "requests", target=0, better="lower"
         ),
+        # none over HTTP: the client sees no split
+        *split_figures(name, [t.split for t in done if t.split is not None]),
     ]
 
 

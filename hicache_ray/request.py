@@ -28,6 +28,7 @@ __all__ = [
     "RequestResult",
     "SamplingParams",
     "StreamChunk",
+    "TTFTSplit",
     "check_batch",
     "check_limits",
     "check_request",
@@ -84,6 +85,27 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
 
 
+class TTFTSplit(msgspec.Struct, kw_only=True):
+    """Where a request's time to first token went (on rank 0; the parts add up to
+    ``RequestResult.ttft_s``).
+
+    Attributes:
+        queue_s: received to admitted (waiting for room in the device pool, and the step
+            that admits it).
+        prefetch_s: admitted to started (waiting for its L3 prefetch and the agreement).
+        load_s: its prefill steps stalled on L2 -> L1 loads of cached pages.
+        forward_s: the forward passes of the steps that computed its prompt (a batched
+            step counts whole: the request waited for all of it).
+        rest_s: everything else: agreement steps, scheduling, the time between steps.
+    """
+
+    queue_s: float = 0.0
+    prefetch_s: float = 0.0
+    load_s: float = 0.0
+    forward_s: float = 0.0
+    rest_s: float = 0.0
+
+
 class RequestResult(msgspec.Struct, kw_only=True):
     """What one request produced and where its prefix came from.
 
@@ -97,6 +119,7 @@ class RequestResult(msgspec.Struct, kw_only=True):
         load_s: the longest L2 -> L1 copy of the prefix (it overlaps the prefill);
         load_bytes / prefetch_bytes: bytes copied L2 -> L1 / read from L3 for it.
         queue_s: admission to the start of its prefill (waiting for room and prefetches).
+        ttft_split: ``ttft_s`` split into disjoint parts (:class:`TTFTSplit`).
         finish_reason: ``length``, ``stop``, ``abort`` or ``error``.
         error: why the request was refused or failed (nothing else is set then), as
             ``field: problem`` for a bad request.
@@ -116,6 +139,7 @@ class RequestResult(msgspec.Struct, kw_only=True):
     load_bytes: int = 0
     prefetch_bytes: int = 0
     queue_s: float = 0.0
+    ttft_split: TTFTSplit = msgspec.field(default_factory=TTFTSplit)
     finish_reason: str = "length"
     error: str | None = None
     error_kind: str | None = None

@@ -212,6 +212,7 @@ class RankRuntime:
             RequestSampler(a.rid, options.sampling),
             received,
             stop_ids=self._stop_ids(options.sampling),
+            arrived_at=now,
         )
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
@@ -223,7 +224,11 @@ class RankRuntime:
     def _start(self, rid: str) -> None:
         seq = self._waiting.pop(rid)
         request = seq.request
-        seq.result.prefetch_s = time.perf_counter() - seq.received_at
+        started = time.perf_counter()
+        seq.result.prefetch_s = started - seq.received_at
+        split = seq.result.ttft_split
+        split.queue_s = max(0.0, seq.arrived_at - seq.received_at)
+        split.prefetch_s = started - max(seq.arrived_at, seq.received_at)
         max_pages = (len(request.tokens) - 1) // self.page_size if self.reuse_prefix else 0
         handle = self.ctl.take(rid, max_pages=max_pages)
         seq.handle = handle
@@ -281,16 +286,20 @@ class RankRuntime:
         ends = torch.tensor([n for _, n in batch]).cumsum(0) - 1
         rows = [int(ends[i]) for i in sampled]
         first = [seq for seq, _ in batch if seq.loads]
+        stalled = [0.0]  # seconds the forward waited for loads
 
         def wait_layer(layer: int) -> None:
+            began = time.perf_counter()
             for seq in first:
                 assert seq.handle is not None
                 seq.handle.wait_layer(layer)
+            stalled[0] += time.perf_counter() - began
 
         def sample(logits: torch.Tensor) -> list[int]:
             return [batch[i][0].sampler.sample(logits[j]) for j, i in enumerate(sampled)]
 
         keep = self._keep(batch, sampled) if self.keep_logits else None
+        began = time.perf_counter()
         with self.ctl.computing():
             tokens = self.executor.run(
                 ids,
@@ -301,18 +310,25 @@ class RankRuntime:
                 wait_layer=wait_layer if first else None,
                 keep=keep,
             )
+        forward = time.perf_counter() - began - stalled[0]
         for seq in first:
             assert seq.handle is not None
             self.ctl.wait_ready(seq.handle)  # surfaces (and counts) a failed load
             seq.result.load_s = max((t.latency_s or 0.0 for t in seq.loads), default=0.0)
             seq.loads = []
         now = time.perf_counter()
+        for seq, _ in batch:
+            if not seq.generated:  # a prefill step (or the one that samples its first token)
+                split = seq.result.ttft_split
+                split.forward_s += forward
+                split.load_s += now - began - forward
         for seq, n in batch:
             seq.computed += n
         for i, token in zip(sampled, tokens, strict=True):
             seq = batch[i][0]
             if not seq.generated:
                 seq.result.ttft_s = now - seq.received_at
+                _close_split(seq.result)
             seq.generated.append(token)
             self._out.tokens.setdefault(seq.rid, []).append(token)
         for seq, _ in batch:
@@ -382,3 +398,10 @@ class RankRuntime:
             result.finish_reason = "abort"
         self._finish_admission(rid)
         self._out.results.append(result)
+
+
+def _close_split(result: RequestResult) -> None:
+    """Set ``rest_s``: what of ``ttft_s`` its other parts do not explain."""
+    split = result.ttft_split
+    known = split.queue_s + split.prefetch_s + split.load_s + split.forward_s
+    split.rest_s = max(0.0, result.ttft_s - known)

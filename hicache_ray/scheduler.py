@@ -114,6 +114,7 @@ class Req:
     sampler: RequestSampler
     received_at: float
     stop_ids: frozenset[int] = frozenset()
+    arrived_at: float = 0.0  # admitted by every rank (the step's agreement)
     handle: CacheHandle | None = None
     computed: int = 0  # tokens whose KV is in the pool
     generated: list[int] = field(default_factory=list)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,8 +25,18 @@ import psutil
 import torch
 
 from hicache_ray.layout import ModelKV, Shard, ShardKV
+from hicache_ray.request import TTFTSplit
 
-__all__ = ["Figure", "Machine", "Report", "figure", "machine_info", "time_into"]
+__all__ = [
+    "Figure",
+    "Machine",
+    "Report",
+    "figure",
+    "machine_info",
+    "percentile",
+    "split_figures",
+    "time_into",
+]
 
 
 class Machine(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +89,25 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
         return "\n".join(
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows
         )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, nearest rank; 0 when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def split_figures(name: str, splits: Sequence[TTFTSplit]) -> list[Figure]:
+    """``{name}.ttft_split.{part}_p50_ms`` and ``_p90_ms`` of each part of ``splits``."""
+    found = []
+    for part in TTFTSplit.__struct_fields__ if splits else ():
+        values = [getattr(s, part) * 1e3 for s in splits]
+        for q in (50, 90):
+            value = percentile(values, q)
+            found.append(figure(f"{name}.ttft_split.{part}_p{q}_ms", value, "ms", better="lower"))
+    return found
 
 
 def figure(

@@ -11,20 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hicache_ray.bench.report import Figure, figure
+from hicache_ray.bench.report import Figure, figure, percentile
 from hicache_ray.runtime import RequestResult
 
 __all__ = ["RoundSummary", "Series", "figures", "plot", "rows", "table"]
 
 TIERS = ("l1", "l2", "l3")
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[k]
 
 
 @dataclass
@@ -42,7 +34,8 @@ class RoundSummary:
         return sum(len(p) for p in self.prompts)
 
     def ttft_ms(self, q: float) -> float:
-        return _percentile([r.ttft_s * 1e3 for r in self.results], q)
+        """The ``q``-th percentile (0-100) of the round's TTFT, in ms."""
+        return percentile([r.ttft_s * 1e3 for r in self.results], q)
 
     def hits(self, tier: str) -> int:
         """Hit tokens by tier: L1 device hits, L2 host hits not from L3, L3 hits."""
@@ -108,8 +101,8 @@ def table(series: Sequence[Series]) -> str:
                     s.name,
                     str(r.round + 1),
                     str(len(r.results)),
-                    f"{r.ttft_ms(0.5):.1f}",
-                    f"{r.ttft_ms(0.9):.1f}",
+                    f"{r.ttft_ms(50):.1f}",
+                    f"{r.ttft_ms(90):.1f}",
                     *(str(r.hits(t)) for t in TIERS),
                     str(r.recomputed),
                     f"{r.moved_bytes / 2**20:.1f}",
@@ -133,8 +126,8 @@ def rows(series: Sequence[Series]) -> list[dict[str, object]]:
                     "round": r.round + 1,
                     "requests": len(r.results),
                     "prompt_tokens": r.prompt_tokens,
-                    "ttft_p50_ms": r.ttft_ms(0.5),
-                    "ttft_p90_ms": r.ttft_ms(0.9),
+                    "ttft_p50_ms": r.ttft_ms(50),
+                    "ttft_p90_ms": r.ttft_ms(90),
                     **{f"hit_tokens_{t}": r.hits(t) for t in TIERS},
                     "recomputed_tokens": r.recomputed,
                     "moved_bytes": r.moved_bytes,
@@ -153,11 +146,9 @@ def figures(series: Sequence[Series], infinite_hit_tokens: int) -> list[Figure]:
         prompt = s.total("prompt_tokens")
         prefill_s = sum(r.ttft_s for r in results)
         out += [
-            figure(f"multiturn.{s.name}.ttft_p50_ms", _percentile(ttft, 0.5), "ms", better="lower"),
-            figure(f"multiturn.{s.name}.ttft_p90_ms", _percentile(ttft, 0.9), "ms", better="lower"),
-            figure(
-                f"multiturn.{s.name}.ttft_p99_ms", _percentile(ttft, 0.99), "ms", better="lower"
-            ),
+            figure(f"multiturn.{s.name}.ttft_p50_ms", percentile(ttft, 50), "ms", better="lower"),
+            figure(f"multiturn.{s.name}.ttft_p90_ms", percentile(ttft, 90), "ms", better="lower"),
+            figure(f"multiturn.{s.name}.ttft_p99_ms", percentile(ttft, 99), "ms", better="lower"),
             figure(
                 f"multiturn.{s.name}.prefill_tokens_per_s",
                 prompt / prefill_s if prefill_s else 0.0,
@@ -193,7 +184,7 @@ def plot(series: Sequence[Series], path: str | Path, title: str) -> bool:
     for s in series:
         style = "o--" if s.name.endswith("nocache") else "o-"
         rounds = [r.round + 1 for r in s.rounds]
-        left.plot(rounds, [r.ttft_ms(0.5) for r in s.rounds], style, label=s.name)
+        left.plot(rounds, [r.ttft_ms(50) for r in s.rounds], style, label=s.name)
     left.set(xlabel="round", ylabel="TTFT p50 (ms)", title="time to first token")
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.set_ylim(bottom=0)
