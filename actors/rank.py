@@ -193,6 +193,8 @@ class RankActor:
         self._loop = StepLoop(
             self._step, pace=self._pace, on_error=self._stopped_by, name=f"hicache-rank{rank}"
         )
+        if self.controller.prefetch is not None:  # a prefetch's end starts the next step
+            self.controller.prefetch.on_progress(self._loop.wake)
         self._loop.start()
 
     # -------------------------------------------------------------- requests

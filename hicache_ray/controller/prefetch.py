@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -65,6 +65,10 @@ class FetchTask:
         return not self.read_started or self.read_finished.is_set()
 
 
+def _nothing() -> None:
+    pass
+
+
 class QueryWorker(threading.Thread):
     """Hashes pages and counts leading stored pages past each task's local hit."""
 
@@ -72,6 +76,7 @@ class QueryWorker(threading.Thread):
         super().__init__(name="hicache-prefetch-query", daemon=True)
         self.inbox: queue.SimpleQueue[FetchTask | None] = queue.SimpleQueue()
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
+        self.progress: Callable[[], None] = _nothing  # see PrefetchPipeline.on_progress
 
     def run(self) -> None:
         while (task := self.inbox.get()) is not None:
@@ -84,6 +89,7 @@ class QueryWorker(threading.Thread):
                 task.local_total = task.start_page
             finally:
                 task.queried.set()
+                self.progress()
 
     def _leading(self, task: FetchTask) -> int:
         found = 0
@@ -108,6 +114,7 @@ class ReadWorker(threading.Thread):
         self.inbox: queue.SimpleQueue[FetchTask | None] = queue.SimpleQueue()
         self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
         self._staging: list[torch.Tensor] = []  # for objects not contiguous in the pool
+        self.progress: Callable[[], None] = _nothing  # see PrefetchPipeline.on_progress
 
     def run(self) -> None:
         while (task := self.inbox.get()) is not None:
@@ -118,6 +125,7 @@ class ReadWorker(threading.Thread):
                 task.failure = "read_failed"
             finally:
                 task.read_finished.set()
+                self.progress()
 
     def _stage(self, spare: Iterator[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         """A staging buffer of ``shape``: reused across batches (fresh large buffers cost a
@@ -176,6 +184,11 @@ class PrefetchPipeline:
         self._closed = False
         self.query.start()
         self.read.start()
+
+    def on_progress(self, callback: Callable[[], None]) -> None:
+        """Have the worker threads call ``callback`` whenever a task's query or read ends
+        (a step loop wakes up for it instead of polling on a timer)."""
+        self.query.progress = self.read.progress = callback
 
     def submit_query(self, task: FetchTask) -> None:
         self.query.inbox.put(task)

@@ -158,3 +158,26 @@ def test_wait_complete_waits_for_slow_reads() -> None:
     cached, _ = run_request(reader, "r", tokens)
     assert cached == 6
     reader.close()
+
+
+def test_the_end_of_each_query_and_read_is_announced() -> None:
+    """A step loop can wait for prefetch progress instead of polling on a timer."""
+    import threading
+
+    objects = MemoryObjects()
+    tokens = prompt(21, 40)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(), KV, objects)
+    assert reader.prefetch is not None
+    calls: list[str] = []
+    announced = threading.Event()
+
+    def progress() -> None:
+        calls.append(threading.current_thread().name)
+        announced.set()
+
+    reader.prefetch.on_progress(progress)
+    cached, _ = run_request(reader, "r", [*tokens, 1, 2, 3])
+    assert cached == 10 and announced.wait(30)
+    assert {"hicache-prefetch-query", "hicache-prefetch-read"} <= set(calls), calls
+    reader.close()

@@ -153,9 +153,9 @@ def test_a_store_slow_to_start_is_a_miss_until_it_answers(store: str) -> None:
     pool = host_pool(
         1, "page_first", heads=MODEL.num_kv_heads, head_dim=MODEL.head_dim, layers=(0, 2)
     )
-    extra = _extra(store="ray", ray={"name": store, "num_shards": 1, "timeout_s": 0.05})
-    backend = attach(storage_config(extra), pool)  # the shard process is still starting
+    extra = _extra(store="ray", ray={"name": store, "num_shards": 1, "timeout_s": 0.5})
+    backend = attach(storage_config(extra), pool)  # the new shard process is still starting
     slots = torch.arange(4 * PAGE)
-    wait_until(lambda: backend.batch_set_v1(HASHES[:4], slots) == [True] * 4, what="the shard")
+    wait_until(lambda: backend.batch_set_v1(HASHES[:4], slots) == [True] * 4, 60, what="the shard")
     assert backend.batch_exists(HASHES) == 4
     backend.close()
