@@ -175,6 +175,8 @@ class CacheController:
         self.requests.apply(agreed[Header.SIZE :])
         for arrival in new:
             self.requests.admit(arrival)
+        if new:  # agreed: every rank runs this round for the same arrivals
+            self._agree_arrivals([a.rid for a in new])
         for rid in aborted:
             if rid in self.requests.known:
                 self.requests.cancel(rid)
@@ -182,6 +184,15 @@ class CacheController:
         return StepResult(
             self._step, new, self.requests.runnable(), self._busy_agreed, aborted=aborted
         )
+
+    def _agree_arrivals(self, rids: list[str]) -> None:
+        """One more MIN round, over the requests admitted in this step: one that needs no
+        L3 query (or whose query is done) is runnable in this step, not after the next
+        one (which would make it wait for a whole forward pass)."""
+        start = time.perf_counter()
+        agreed = self.consensus.all_reduce_min(self.requests.facts(rids), self._step)
+        self.stats_.consensus_s += time.perf_counter() - start
+        self.requests.apply(agreed, rids)
 
     def agree_failure(self, ordinal: int) -> None:
         """Every rank calls this when the request at position ``ordinal`` of this step's

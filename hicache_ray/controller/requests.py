@@ -58,6 +58,7 @@ class _Request:
     __slots__ = (
         "admitted_at",
         "agreed",
+        "agreed_on_arrival",
         "arrival",
         "cached",
         "deadline",
@@ -79,6 +80,7 @@ class _Request:
         self.cached = cached
         self.task: FetchTask | None = None
         self.agreed: Facts | None = None
+        self.agreed_on_arrival = False  # only the admitting step's round has agreed yet
         self.fetch_started = False
         self.final: Facts | None = None  # facts that can no longer change
         self.admitted_at = 0.0
@@ -123,10 +125,12 @@ class RequestState:
 
     # ----------------------------------------------------------------- facts
 
-    def facts(self) -> list[int]:
+    def facts(self, rids: Sequence[str] | None = None) -> list[int]:
+        """This rank's facts of every request (or of ``rids``), ``FACTS`` each, in order."""
         now = self._clock()
         out: list[int] = []
-        for r in self._requests.values():
+        chosen = self._requests.values() if rids is None else [self._requests[r] for r in rids]
+        for r in chosen:
             out += r.final or self._facts_of(r, now)
         return out
 
@@ -143,10 +147,13 @@ class RequestState:
             r.final = facts  # nothing left to change: skip the work on later steps
         return facts
 
-    def apply(self, agreed: Sequence[int]) -> None:
+    def apply(self, agreed: Sequence[int], rids: Sequence[str] | None = None) -> None:
+        """Take the agreed facts of every request (or of ``rids``), in :meth:`facts` order."""
         self._runnable = None
-        for i, r in enumerate(self._requests.values()):
+        chosen = self._requests.values() if rids is None else [self._requests[r] for r in rids]
+        for i, r in enumerate(chosen):
             r.agreed = Facts(*agreed[i * FACTS : (i + 1) * FACTS])
+            r.agreed_on_arrival = rids is not None
             if r.agreed.total >= 0 and r.task is not None and not r.fetch_started:
                 self._start_fetch(r, r.agreed.total)
 
@@ -160,7 +167,9 @@ class RequestState:
                 continue
             facts = r.agreed
             timed_out = policy == "timeout" and facts.timed_out < 0
-            if policy == "best_effort" or facts.finished == 1 or timed_out:
+            # best_effort gives a query one step (as long as a forward) before it gives up
+            effort = policy == "best_effort" and not r.agreed_on_arrival
+            if effort or facts.finished == 1 or timed_out:
                 out.append(rid)
         self._runnable = out
         return list(out)

@@ -181,3 +181,18 @@ def test_the_end_of_each_query_and_read_is_announced() -> None:
     assert cached == 10 and announced.wait(30)
     assert {"hicache-prefetch-query", "hicache-prefetch-read"} <= set(calls), calls
     reader.close()
+
+
+def test_a_request_without_an_l3_query_runs_in_the_step_that_admits_it() -> None:
+    """No wait for a second agreement (as long as a forward pass under load)."""
+    ctl = make_controller(controller_config(), KV, MemoryObjects())
+    tokens = prompt(31, 24)
+    run_request(ctl, "a", tokens)
+    drain(ctl)
+    assert ctl.step([Arrival("b", [*tokens, 9])]).runnable == ["b"]  # an L1 hit
+    assert ctl.step([Arrival("c", [5, 6, 7])]).runnable == ["b", "c"]  # under one page
+    for rid in ("b", "c"):
+        ctl.release(ctl.take(rid))
+    drain(ctl)
+    ctl.check_integrity()
+    ctl.close()
