@@ -40,7 +40,12 @@ from hicache_ray.stats import ControllerStats
 from hicache_ray.storage import StorageBackend, create_backend
 from hicache_ray.tree.tokens import TokenIds
 
-__all__ = ["CacheController", "StepResult"]
+__all__ = ["ARRIVAL_QUERY_WAIT_S", "CacheController", "StepResult"]
+
+# How long a step that admits requests waits for their L3 queries before it agrees on them
+# (a store round trip is about 1 ms here): a query that ends in time lets its request run
+# in this step; a slow or dead store costs this once per step, never more.
+ARRIVAL_QUERY_WAIT_S = 0.005
 
 
 @dataclass
@@ -187,8 +192,10 @@ class CacheController:
 
     def _agree_arrivals(self, rids: list[str]) -> None:
         """One more MIN round, over the requests admitted in this step: one that needs no
-        L3 query (or whose query is done) is runnable in this step, not after the next
-        one (which would make it wait for a whole forward pass)."""
+        L3 query (or whose query ends within ``ARRIVAL_QUERY_WAIT_S``: one store round
+        trip) is runnable in this step, not after the next one (which would make it wait
+        for a whole forward pass)."""
+        self.requests.wait_queries(rids, ARRIVAL_QUERY_WAIT_S)
         start = time.perf_counter()
         agreed = self.consensus.all_reduce_min(self.requests.facts(rids), self._step)
         self.stats_.consensus_s += time.perf_counter() - start

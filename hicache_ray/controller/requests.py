@@ -267,6 +267,15 @@ class RequestState:
         for rid in list(self._requests):
             self.cancel(rid)
 
+    def wait_queries(self, rids: Sequence[str], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` in all for the L3 queries of ``rids`` (a query that
+        ends in time is agreed in this step; a slow or dead store only costs the wait)."""
+        deadline = self._clock() + timeout_s
+        for rid in rids:
+            task = self._requests[rid].task
+            if task is not None:
+                task.queried.wait(max(0.0, deadline - self._clock()))
+
     def wait(self, timeout: float | None) -> None:
         for r in self._requests.values():
             if r.task is not None:

@@ -66,8 +66,12 @@ def test_best_effort_runs_at_once_and_counts_what_it_gave_up() -> None:
     objects = MemoryObjects()
     tokens = prompt(2, 40)
     stored(objects, tokens)
-    reader = make_controller(controller_config(prefetch_policy="best_effort"), KV, objects)
-    cached, _ = run_request(reader, "r", tokens)
+    slow_reads = (Fault(op="read", kind="delay", delay_s=0.5),)
+    config = controller_config(prefetch_policy="best_effort")
+    reader = make_controller(config, KV, objects, faults=slow_reads)
+    # the query ends at once (agreed in the admitting step), the read takes 0.5 s: the next
+    # step runs the request without it
+    cached, _ = run_request(reader, "r", tokens, settle=False)
     stats = reader.stats()
     assert cached == 0 and stats.unfulfilled_tokens["terminated"] == 40
     drain(reader)
