@@ -24,6 +24,7 @@ from actors.deployment import Deployment
 from actors.multiturn import mode_cache
 from actors.stores import drop_store
 from hicache_ray.bench.report import Figure, figure, percentile, split_figures
+from hicache_ray.config import PrefetchConfig
 from hicache_ray.multiturn.options import ExperimentOptions
 from hicache_ray.request import GenerateRequest, TTFTSplit
 
@@ -46,6 +47,7 @@ class ServeOptions:
             device_tokens=16384,
             host_ratio=2.0,
             page_size=16,
+            prefetch_threshold=PrefetchConfig().threshold_tokens,  # what a server runs with
         )
     )
     rate: float = 0.0  # turns per second (0: closed loop)

@@ -44,6 +44,9 @@ class ExperimentOptions:
     storage_root: str = ""
     write_policy: str = "write_through"
     prefetch_policy: str = "wait_complete"
+    # 0: every page past the L2 hit is looked up in L3 (the oracle of bench multiturn and
+    # the demo then sees every L3 hit); bench serve uses the product default (256)
+    prefetch_threshold: int = 0
     tp_size: int = 1
     pp_size: int = 1
     modes: tuple[str, ...] = MODES
@@ -112,7 +115,10 @@ class ExperimentOptions:
                 hicache_ratio=self.host_ratio,
             ),
             write=WriteConfig(policy=self.write_policy),  # type: ignore[arg-type]
-            prefetch=PrefetchConfig(policy=self.prefetch_policy, threshold_tokens=0),  # type: ignore[arg-type]
+            prefetch=PrefetchConfig(
+                policy=self.prefetch_policy,  # type: ignore[arg-type]
+                threshold_tokens=self.prefetch_threshold,
+            ),
             storage=storage,
         )
 
