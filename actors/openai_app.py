@@ -155,7 +155,15 @@ class OpenAIApp:
         return bytes(data)
 
     async def _run(self, request: GenerateRequest, text: IncrementalText) -> RequestResult:
-        """Run to the end (or the first stop string, which aborts the rest)."""
+        """Run to the end (or the first stop string, which aborts the rest). Without stop
+        strings the answer comes in one piece (one Ray call, not one per token)."""
+        if not text.stops:
+            try:
+                result = _checked(await self.deployment.generate_async(request))
+            except DeploymentError as exc:
+                raise _unavailable(exc) from None
+            text.add(result.output_tokens)
+            return result
         async for chunk in self._stream(request):
             text.add(chunk.tokens)
             if text.stopped:
@@ -167,17 +175,11 @@ class OpenAIApp:
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
         try:
             async for chunk in self.deployment.stream(request):
-                result = chunk.result
-                if result is not None and result.error is not None:
-                    status = _STATUS.get(result.error_kind or "internal", 500)
-                    kind = "invalid_request_error" if status == 400 else "server_error"
-                    retry = _RETRY_AFTER_S if status == 503 else None
-                    raise OpenAIError(status, result.error, kind=kind, retry_after_s=retry)
+                if chunk.result is not None:
+                    _checked(chunk.result)
                 yield chunk
         except DeploymentError as exc:
-            raise OpenAIError(
-                503, str(exc), kind="server_error", retry_after_s=_RETRY_AFTER_S
-            ) from None
+            raise _unavailable(exc) from None
 
     async def _events(
         self, request: GenerateRequest, text: IncrementalText, chat: bool, include_usage: bool
@@ -224,6 +226,21 @@ class OpenAIApp:
         self.deployment.shutdown()
         if not self.keep_store and self.config.cache.storage.backend == "ray":
             drop_store(self.config.cache.storage.ray.name)
+
+
+def _checked(result: RequestResult) -> RequestResult:
+    """``result``, or the OpenAI error of its failure (503 with Retry-After: overloaded)."""
+    if result.error is None:
+        return result
+    status = _STATUS.get(result.error_kind or "internal", 500)
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    retry = _RETRY_AFTER_S if status == 503 else None
+    raise OpenAIError(status, result.error, kind=kind, retry_after_s=retry)
+
+
+def _unavailable(exc: DeploymentError) -> OpenAIError:
+    """A deployment that cannot serve (shut down, or no retry left): 503."""
+    return OpenAIError(503, str(exc), kind="server_error", retry_after_s=_RETRY_AFTER_S)
 
 
 def _completion_tokens(result: RequestResult, text: IncrementalText) -> int:
