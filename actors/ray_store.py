@@ -183,7 +183,8 @@ class RayObjects(ObjectStore):
         # shard 0 has answered and confirmed the shard count (``_check_ready``).
         self._verified = existing is not None  # guarded by _lock
         self._mismatch: ConfigError | None = None  # guarded by _lock
-        self._describe: Any = self._remote(0, "describe")  # guarded by _lock
+        # guarded by _lock: shard 0's pending answer (None once verified at opening)
+        self._describe: Any = None if self._verified else self._remote(0, "describe")
         if not self._verified:
             with self._lock:
                 ref = self._describe

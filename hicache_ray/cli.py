@@ -108,6 +108,12 @@ def _bench_parsers(sub: Any) -> None:
     _report_flags(runtime)
     runtime.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads")
     runtime.add_argument("--quick", action="store_true", help="the tiny model (smoke tests)")
+    runtime.add_argument(
+        "--profile",
+        metavar="PATH",
+        help="also profile the run (cProfile of the rank; pstats written here, top 25 by "
+        "cumulative time printed)",
+    )
     mt = _command(
         bsub,
         "multiturn",

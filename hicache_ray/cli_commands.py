@@ -11,12 +11,15 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hicache_ray.cli_experiments import experiment_options as options
 from hicache_ray.cli_experiments import serve_options as serve_bench_options
 from hicache_ray.errors import ConfigError
+
+T = TypeVar("T")
 
 __all__ = [
     "bench_faults",
@@ -144,8 +147,24 @@ def bench_runtime(args: argparse.Namespace, _: None) -> int:
 
     opts = RuntimeBenchOptions.quick() if args.quick else RuntimeBenchOptions()
     torch.set_num_threads(args.threads)
-    figures = run_runtime_bench(opts, _log)
+    if args.profile:
+        figures = _profiled(args.profile, lambda: run_runtime_bench(opts, _log))
+    else:
+        figures = run_runtime_bench(opts, _log)
     return finish(args, "bench runtime", dataclasses.asdict(opts), figures)
+
+
+def _profiled(path: str, run: Callable[[], T]) -> T:
+    """``run()`` under cProfile: the stats written to ``path``, the top 25 printed."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    out = profiler.runcall(run)
+    profiler.dump_stats(path)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    _log(f"wrote the profile to {path} (read it with: python -m pstats {path})")
+    return out
 
 
 def bench_faults(args: argparse.Namespace, _: None) -> int:

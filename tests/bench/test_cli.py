@@ -97,7 +97,9 @@ def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None
 
 def test_bench_runtime_quick_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "runtime.json"
-    assert main(["bench", "runtime", "--quick", "--json", str(out)]) == 0
+    profile = tmp_path / "rank.pstats"
+    argv = ["bench", "runtime", "--quick", "--json", str(out), "--profile", str(profile)]
+    assert main(argv) == 0
     report = msgspec.json.decode(out.read_bytes(), type=Report)
     by_name = {f.name: f for f in report.figures}
     for length in (128, 256):
@@ -105,6 +107,12 @@ def test_bench_runtime_quick_writes_every_figure(tmp_path: Path) -> None:
             assert by_name[f"runtime.ttft_ms.{tier}.{length}"].value > 0
     assert by_name["runtime.l2_hit.overhead_vs_floor"].target == 1.5
     assert by_name["runtime.pure_miss.overhead_pct"].target == 3
+    assert by_name["runtime.hit_rest_ms.tp1"].target == 10.0
+    assert by_name["runtime.l1.ttft_split.forward_s_p50_ms"].value > 0
+    import pstats
+
+    names = {func for _, _, func in pstats.Stats(str(profile)).stats}
+    assert "forward" in names  # the rank's steps were profiled
 
 
 def test_bench_faults_every_scenario_survives(tmp_path: Path, ray_local: None) -> None:
