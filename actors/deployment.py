@@ -32,9 +32,9 @@ from actors.lifecycle import (
     ReformFailed,
     describe_failure,
     is_rank_failure,
+    replay,
 )
-from actors.rank_group import check_name_free, find_suspects, kill_ranks, start_ranks, stop_ranks
-from actors.ray_store import check_shard_count, existing_shards
+from actors.rank_group import check_launch, find_suspects, kill_ranks, start_ranks, stop_ranks
 from actors.spec import DeploymentConfig
 from hicache_ray.request import (
     GenerateRequest,
@@ -93,7 +93,7 @@ class Deployment:
         )
         if config.cache.storage.backend != "none":
             log.info("deployment %s: %s", config.name, config.sharing())
-        _check_free(config)
+        check_launch(config)
         groups = acquire_groups(stages, timeout_s=config.placement_timeout_s, name=config.name)
         deployment = cls(config, groups)
         try:
@@ -207,7 +207,7 @@ class Deployment:
             try:
                 seen = 0  # tokens of this run so far
                 async for chunk in self._chunks(rank0.generate_stream.remote(checked)):
-                    fresh = _replay(checked, chunk.tokens, emitted, seen)
+                    fresh = replay(checked.rid, chunk.tokens, emitted, seen)
                     seen += len(chunk.tokens)
                     emitted += fresh
                     done = chunk.result is not None
@@ -484,38 +484,6 @@ class Deployment:
     def _kill_ranks(self) -> None:
         kill_ranks(self.ranks)
         self.ranks = []
-
-
-def _check_free(config: DeploymentConfig) -> None:
-    """The checks of :meth:`Deployment.launch` that need the cluster, before it creates
-    anything: the name is free, and a ``ray`` L3 store that exists has the shard count
-    the config asks for."""
-    from ray.util import get_current_placement_group
-
-    check_name_free(config.name, owns_groups=get_current_placement_group() is None)
-    storage = config.cache.storage
-    if storage.backend == "ray":
-        found = existing_shards(storage.ray.name, storage.ray.timeout_s)
-        check_shard_count(storage.ray.name, storage.ray.num_shards, found)
-
-
-def _replay(
-    request: GenerateRequest, tokens: list[int], emitted: list[int], seen: int
-) -> list[int]:
-    """The tokens of a chunk that were not yielded yet. ``tokens`` follow the ``seen``
-    tokens of this run; those of a retried run that were yielded by an earlier run must
-    equal them (runs are greedy or seeded).
-
-    Raises:
-        DeploymentError: a retried run made other tokens than those already yielded.
-    """
-    skip = min(len(tokens), max(0, len(emitted) - seen))
-    if tokens[:skip] != emitted[seen : seen + skip]:
-        raise DeploymentError(
-            f"request {request.rid!r}: its retried run made other tokens than those already "
-            f"sent (from token {seen + 1} on): this request does not reproduce across runs"
-        )
-    return tokens[skip:]
 
 
 class _Attempt:

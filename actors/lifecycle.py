@@ -41,6 +41,7 @@ __all__ = [
     "ReformFailed",
     "describe_failure",
     "is_rank_failure",
+    "replay",
 ]
 
 
@@ -96,3 +97,20 @@ def is_rank_failure(exc: BaseException) -> bool:
 
 class ReformFailed(DeploymentError):
     """A re-forming did not complete (the deployment is broken until the next one)."""
+
+
+def replay(rid: str, tokens: list[int], emitted: list[int], seen: int) -> list[int]:
+    """The tokens of a stream chunk not yielded yet. ``tokens`` follow the ``seen`` tokens
+    of this run; those that an earlier run of request ``rid`` already yielded must equal
+    them (runs are greedy or seeded).
+
+    Raises:
+        DeploymentError: a retried run made other tokens than those already yielded.
+    """
+    skip = min(len(tokens), max(0, len(emitted) - seen))
+    if tokens[:skip] != emitted[seen : seen + skip]:
+        raise DeploymentError(
+            f"request {rid!r}: its retried run made other tokens than those already sent "
+            f"(from token {seen + 1} on): this request does not reproduce across runs"
+        )
+    return tokens[skip:]

@@ -21,6 +21,7 @@ from placement.groups import StageGroups
 
 __all__ = [
     "STOP_S",
+    "check_launch",
     "check_name_free",
     "find_suspects",
     "kill_ranks",
@@ -62,6 +63,21 @@ def check_name_free(name: str, owns_groups: bool) -> None:
             "a deployment of this name is running in this cluster",
             "give this deployment another name, or shut the other one down first",
         )
+
+
+def check_launch(config: DeploymentConfig) -> None:
+    """The checks of ``Deployment.launch`` that need the cluster, before it creates
+    anything: the name is free, and a ``ray`` L3 store that exists has the shard count
+    the config asks for (``ConfigError`` otherwise)."""
+    from ray.util import get_current_placement_group
+
+    from actors.ray_store import check_shard_count, existing_shards
+
+    check_name_free(config.name, owns_groups=get_current_placement_group() is None)
+    storage = config.cache.storage
+    if storage.backend == "ray":
+        found = existing_shards(storage.ray.name, storage.ray.timeout_s)
+        check_shard_count(storage.ray.name, storage.ray.num_shards, found)
 
 
 def start_ranks(cfg: DeploymentConfig, groups: StageGroups, generation: int) -> list[Any]:

@@ -105,6 +105,11 @@ class TTFTSplit(msgspec.Struct, kw_only=True):
     forward_s: float = 0.0
     rest_s: float = 0.0
 
+    def close(self, ttft_s: float) -> None:
+        """Set ``rest_s``: what of ``ttft_s`` the other parts do not explain."""
+        known = self.queue_s + self.prefetch_s + self.load_s + self.forward_s
+        self.rest_s = max(0.0, ttft_s - known)
+
 
 class RequestResult(msgspec.Struct, kw_only=True):
     """What one request produced and where its prefix came from.

@@ -328,7 +328,7 @@ class RankRuntime:
             seq = batch[i][0]
             if not seq.generated:
                 seq.result.ttft_s = now - seq.received_at
-                _close_split(seq.result)
+                seq.result.ttft_split.close(seq.result.ttft_s)
             seq.generated.append(token)
             self._out.tokens.setdefault(seq.rid, []).append(token)
         for seq, _ in batch:
@@ -398,10 +398,3 @@ class RankRuntime:
             result.finish_reason = "abort"
         self._finish_admission(rid)
         self._out.results.append(result)
-
-
-def _close_split(result: RequestResult) -> None:
-    """Set ``rest_s``: what of ``ttft_s`` its other parts do not explain."""
-    split = result.ttft_split
-    known = split.queue_s + split.prefetch_s + split.load_s + split.forward_s
-    split.rest_s = max(0.0, result.ttft_s - known)
