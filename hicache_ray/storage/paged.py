@@ -131,12 +131,11 @@ class PagedBackend(StorageBackend):
                     self._counts["get_failures"] += 1
                     return i
                 if size is None:
-                    # NOTE: a stored prefix has no hole (writers store parents first and
-                    # stop at a failure), so the pages after an absent one are taken as
-                    # absent by the next put of them: one lookup per new page, not two.
-                    for later in keys[i:]:
-                        self._index.note_absent(later, now)
+                    # NOTE: the key seen absent is not asked again by the next put of it
+                    # (a backup asks exists, then puts what is missing). The keys after it
+                    # were not answered (a leading lookup stops here): nothing is assumed.
                     self._index.forget(key)
+                    self._index.note_absent(key, now)
                     return i
                 self._index.remember(key, size, now)
                 i += 1
