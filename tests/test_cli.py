@@ -35,6 +35,7 @@ from hicache_ray.cli_experiments import _DEFAULTS, experiment_options
         (["bench", "multiturn", "--tp", "3", "--quick"], "tp_size"),
         (["bench", "faults", "--scenarios", "bogus"], "unknown ['bogus']"),
         (["bench", "serve", "--modes", "l1"], "unknown ['l1']"),
+        (["bench", "serve", "--http", "--rate", "2"], "closed loop"),
         (["bench", "storage", "--device", "cpu"], "unrecognized arguments: --device"),
         (["bench", "runtime", "--device", "cpu"], "unrecognized arguments: --device"),
         (["bench", "micro", "--device", "gpu"], "not auto, cpu, cuda or cuda:N"),
