@@ -36,6 +36,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -59,7 +60,7 @@ gpu-check: $(STAMP)
 
 # Regenerate the generated parts of docs/ (configuration and metrics tables).
 docs: $(STAMP)
-	$(PY) -m hicache_ray.docs_gen
+	$(PY) -m apps.docs_gen
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

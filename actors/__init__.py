@@ -1,11 +1,9 @@
-"""Ray actors (thin wrappers over the core): the object-store L3, rank actors, Deployment.
-
-Importing this package registers the ``ray`` storage backend.
-"""
+"""The Ray layer (thin hosts of the library): the object-store L3, rank actors, Deployment,
+the Serve app."""
 
 from actors.ray_store import NAMESPACE, RayObjects
-from actors.spec import DeploymentConfig
 from actors.stores import StoreInfo, clear_store, drop_store, list_stores, store_stats
+from hicache_ray.spec import DeploymentConfig
 
 __all__ = [
     "NAMESPACE",

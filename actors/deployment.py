@@ -35,7 +35,6 @@ from actors.lifecycle import (
     replay,
 )
 from actors.rank_group import check_launch, find_suspects, kill_ranks, start_ranks, stop_ranks
-from actors.spec import DeploymentConfig
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -46,6 +45,7 @@ from hicache_ray.request import (
     check_request,
     error_result,
 )
+from hicache_ray.spec import DeploymentConfig
 from hicache_ray.stats import RankHealth
 from placement.groups import StageGroups, acquire_groups, release_groups
 from placement.plan import plan_stages

@@ -26,7 +26,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.deployment import Deployment, DeploymentError
-from actors.spec import DeploymentConfig
 from actors.stores import drop_store
 from hicache_ray.openai.protocol import (
     MAX_TOKENS_DEFAULT,
@@ -46,6 +45,7 @@ from hicache_ray.openai.protocol import (
 )
 from hicache_ray.openai.text import IncrementalText, text_codec
 from hicache_ray.request import GenerateRequest, RequestResult, SamplingParams, StreamChunk
+from hicache_ray.spec import DeploymentConfig
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -285,7 +285,7 @@ def build_app(args: dict[str, str]) -> Any:
     ``hicache-ray serve``): ``model`` (a preset or a checkpoint directory), ``tp``, ``pp``,
     ``storage`` (``ray``, ``file`` or ``none``), ``storage_root``, ``store``,
     ``device_tokens``, ``page_size``, ``served_name``, ``keep_store``, ``max_queued``."""
-    from actors.serve_config import serve_deployment_config
+    from hicache_ray.serve_options import serve_deployment_config
 
     keep = args.get("keep_store", "false").lower() in ("1", "true", "yes")
     return serve_app(serve_deployment_config(args), args.get("served_name", ""), keep)

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from actors.metrics import StatsPublisher
-from actors.spec import DeploymentConfig
 from hicache_ray.controller import CacheController, GlooConsensus, start_rendezvous
 from hicache_ray.controller.consensus import Rendezvous
 from hicache_ray.errors import HiCacheError
@@ -50,6 +49,7 @@ from hicache_ray.request import (
     error_result,
 )
 from hicache_ray.runtime import RankRuntime
+from hicache_ray.spec import DeploymentConfig
 from hicache_ray.stats import RankHealth, RankStats
 from hicache_ray.step_loop import StepLoop
 
@@ -71,8 +71,6 @@ class RankActor:
     """One rank (the Deployment makes it a Ray actor in its bundle)."""
 
     def __init__(self, config: DeploymentConfig, rank: int, generation: int = 0) -> None:
-        import actors  # noqa: F401 - registers the `ray` storage backend in this worker
-
         # The L3 client's ray.get calls run on the step and join threads, never on the
         # event loop; Ray warns about any ray.get in an async actor.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")

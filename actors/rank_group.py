@@ -14,8 +14,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankActor
-from actors.spec import DeploymentConfig
 from hicache_ray.errors import ConfigError
+from hicache_ray.spec import DeploymentConfig
 from hicache_ray.stats import RankHealth
 from placement.groups import StageGroups
 

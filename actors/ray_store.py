@@ -37,7 +37,7 @@ from actors.l3_shard import PageShard
 from hicache_ray.config import Fault, RayStorageOptions, StorageConfig
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import ShardPlan
-from hicache_ray.storage import StorageBackend, register_backend
+from hicache_ray.storage import StorageBackend
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
@@ -55,6 +55,7 @@ __all__ = [
     "check_shard_count",
     "existing_shards",
     "mark_dropped",
+    "ray_backend",
     "shard_name",
     "shared_storage",
 ]
@@ -162,12 +163,15 @@ class RayObjects(ObjectStore):
     """Client of the shard actors of store ``options.name`` (see the module docstring)."""
 
     def __init__(self, options: RayStorageOptions) -> None:
+        if not ray.is_initialized() and options.address:
+            log.info("hicache-ray: connecting to the Ray cluster at %s", options.address)
+            ray.init(address=options.address, log_to_driver=False)
         if not ray.is_initialized():
             raise ConfigError(
                 "storage_backend",
                 "ray",
                 "Ray is not initialized in this process",
-                "call ray.init() first, or run inside a Ray actor or job",
+                "call ray.init() first, run inside a Ray actor or job, or set ray.address",
             )
         self.options = options
         self._lock = threading.Lock()
@@ -497,12 +501,10 @@ def shared_storage(
     )
 
 
-def _ray_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
+def ray_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
+    """The ``ray`` backend (named by path in :mod:`hicache_ray.backends`)."""
     # No byte budget here: the shards evict on their own (capacity_bytes per shard).
     objects = with_faults(config, RayObjects(config.ray))
     return PagedBackend(
         "ray", objects, plan, metadata_ttl_s=config.ray.metadata_ttl_s, scan_on_start=False
     )
-
-
-register_backend("ray", _ray_backend)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from apps.multiturn.exact import recompute
 from hicache_ray.cache import HiCache
 from hicache_ray.config import CacheConfig, MemoryConfig
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.model import ReferenceModel, preset
-from hicache_ray.multiturn.exact import recompute
 
 PAGE = 16
 MODEL = preset("tiny4")

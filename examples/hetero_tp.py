@@ -23,6 +23,7 @@ import ray
 import torch
 
 from actors import Deployment, DeploymentConfig, drop_store
+from apps.multiturn.exact import recompute
 from hicache_ray.config import (
     CacheConfig,
     MemoryConfig,
@@ -31,7 +32,6 @@ from hicache_ray.config import (
     StorageConfig,
 )
 from hicache_ray.model import preset
-from hicache_ray.multiturn.exact import recompute
 from hicache_ray.runtime import GenerateRequest
 
 

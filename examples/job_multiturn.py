@@ -14,7 +14,7 @@ import sys
 
 import ray
 
-from hicache_ray.cli import main
+from apps.cli import main
 
 if __name__ == "__main__":
     ray.init()  # inside a job: the cluster the job runs on

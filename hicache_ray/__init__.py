@@ -1,7 +1,7 @@
 """hicache-ray: a three-tier KV cache (device, host, storage) for LLM serving on Ray.
 
 The core is importable without a running Ray; see README.md for the layout. The public
-names below load on first use, so ``import hicache_ray.cli`` can set process-wide
+names below load on first use, so ``import apps.cli`` (the CLI) can set process-wide
 settings (the OpenMP wait policy) before torch is imported.
 """
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from hicache_ray.backends import backend_names, is_backend_path
 from hicache_ray.checks import (
     check_choice,
     check_custom_resources,
@@ -312,6 +313,9 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
             (and the objects they own) on chosen nodes, e.g. ``{"l3_owner": 0.01}`` for the
             nodes started with ``--resources '{"l3_owner": 1}'``; a shard whose node is lost
             restarts on another node that offers them. Empty: anywhere.
+        address: the Ray cluster a process that is not connected yet joins when it opens
+            the store (``"auto"``, ``"ray://host:10001"``, a GCS address); empty: such a
+            process is refused (call ``ray.init()`` first). Connected processes ignore it.
     """
 
     name: str = "default"
@@ -321,6 +325,7 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float = 30.0
     metadata_ttl_s: float = 2.0
     shard_resources: dict[str, float] = msgspec.field(default_factory=dict)
+    address: str = ""
 
     def __post_init__(self) -> None:
         check_types(self, "ray.")
@@ -424,20 +429,14 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.model_id}@{self.model_revision}" if self.model_revision else self.model_id
 
 
-# Backends that register themselves when their package is imported (``ray``: ``actors``).
-LAZY_BACKENDS = ("ray",)
-
-
 def _check_backend_name(name: str) -> None:
-    from hicache_ray.storage.registry import backend_names  # storage imports this module
-
-    known = sorted({*backend_names(), *LAZY_BACKENDS})
-    if name not in known:
+    if name not in backend_names() and not is_backend_path(name):
         raise ConfigError(
             "storage_backend",
             name,
             "no backend is registered under this name",
-            f"use one of {', '.join(known)} (or register_backend() yours first)",
+            f"use one of {', '.join(backend_names())}, a 'module:attribute' path, "
+            "or register_backend() yours first",
         )
 
 

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from apps.bench.synthetic_engine import check_prefix, compute, serve
 from hicache_ray.cache import CacheFullError, CacheHandle, HiCache
 from hicache_ray.errors import HiCacheError
 from hicache_ray.memory import HostPool
-from hicache_ray.synthetic_engine import check_prefix, compute, serve
 from tests.conftest import CPU, make_config, make_kv
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hicache_ray.cli import _parser, main
-from hicache_ray.cli_args import FAULT_SCENARIOS, MODEL_PRESETS
-from hicache_ray.cli_experiments import _DEFAULTS, experiment_options
+from apps.cli import _parser, main
+from apps.cli_args import FAULT_SCENARIOS, MODEL_PRESETS
+from apps.cli_experiments import _DEFAULTS, experiment_options
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_cuda_without_cuda_is_refused(capsys: pytest.CaptureFixture[str]) -> Non
 def test_help_is_fast_and_imports_neither_torch_nor_ray() -> None:
     code = (
         "import sys\n"
-        "from hicache_ray.cli import main\n"
+        "from apps.cli import main\n"
         "for argv in (['--help'], ['demo', '--help'], ['bench', 'storage', '--help']):\n"
         "    try:\n"
         "        main(argv)\n"
@@ -101,9 +101,9 @@ def test_explicit_flags_beat_quick() -> None:
 
 
 def test_the_cli_knows_what_the_code_knows() -> None:
-    from actors.faults_bench import SCENARIOS
+    from apps.bench.faults_bench import SCENARIOS
+    from apps.multiturn.options import ExperimentOptions
     from hicache_ray.model import PRESETS
-    from hicache_ray.multiturn.options import ExperimentOptions
 
     assert set(MODEL_PRESETS) == set(PRESETS) and FAULT_SCENARIOS == SCENARIOS
     defaults = {f.name: f.default for f in dataclasses.fields(ExperimentOptions)}
@@ -122,7 +122,7 @@ def not_ray() -> Iterator[int]:
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "hicache_ray.cli", *argv], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "apps.cli", *argv], capture_output=True, text=True, timeout=60
     )
 
 

@@ -180,14 +180,14 @@ def test_bad_ray_storage_options(kwargs: dict[str, object], needle: str) -> None
     ],
 )
 def test_bad_deployment_configs(kwargs: dict[str, object], needle: str) -> None:
-    spec = pytest.importorskip("actors.spec")
+    spec = pytest.importorskip("hicache_ray.spec")
     with pytest.raises(ConfigError, match=needle):
         spec.DeploymentConfig(**kwargs)
 
 
 # Every invalid setting the deployment-edge review found: (factory, kwargs, field named).
 def _deployment(**kwargs: object) -> object:
-    spec = pytest.importorskip("actors.spec")
+    spec = pytest.importorskip("hicache_ray.spec")
     return spec.DeploymentConfig(**kwargs)
 
 

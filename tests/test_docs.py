@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_ray.docs_gen import regenerate
+from apps.docs_gen import regenerate
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -70,4 +70,4 @@ def test_code_block_runs(where: str, lang: str, code: str, why: str, tmp_path: P
 
 
 def test_generated_docs_are_current() -> None:
-    assert regenerate(check=True) == [], "run `make docs` (python -m hicache_ray.docs_gen)"
+    assert regenerate(check=True) == [], "run `make docs` (python -m apps.docs_gen)"

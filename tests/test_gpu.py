@@ -59,7 +59,7 @@ def test_reuse_from_every_tier_on_cuda_equals_recompute() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two ranks needs 2 GPUs")
 def test_tp2_on_two_gpus_uses_nccl_and_equals_recompute(ray_local: None) -> None:
     actors = pytest.importorskip("actors")
-    from hicache_ray.multiturn.exact import recompute
+    from apps.multiturn.exact import recompute
 
     config = actors.DeploymentConfig(
         name="gpu-tp2",

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from apps.multiturn import Lengths, OracleRequest, Trace, TraceConfig, lru_hit_tokens
 from hicache_ray.errors import ConfigError
-from hicache_ray.multiturn import Lengths, OracleRequest, Trace, TraceConfig, lru_hit_tokens
 
 
 def test_lengths_parse_and_refuse() -> None:

@@ -27,7 +27,7 @@ def test_cli_sets_passive_openmp_before_torch_loads() -> None:
         "import os, sys; os.environ.pop('OMP_WAIT_POLICY', None)\n"
         "import hicache_ray\n"
         "assert 'torch' not in sys.modules, 'importing the package loaded torch'\n"
-        "import hicache_ray.cli\n"
+        "import apps.cli\n"
         "print(os.environ['OMP_WAIT_POLICY'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

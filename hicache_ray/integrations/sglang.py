@@ -86,7 +86,7 @@ class HiCacheRayStorage(HiCacheStorage):  # type: ignore[misc]  # sglang has no 
         geometry = host_geometry(mem_pool_host, bool(self.storage_config.is_mla_model))
         kv, storage = shard_of(self.storage_config, mem_pool_host, geometry, self.options)
         plan = plan_objects(kv, storage)
-        self._backend = connect(storage, plan, self.options.ray_address)
+        self._backend = connect(storage, plan)
         self._plan, self._geometry = plan, geometry
         self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-sglang-copy")
         log.info(

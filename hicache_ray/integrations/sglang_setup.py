@@ -230,28 +230,22 @@ def shard_of(
     share_tp = options.share_tp
     if not share_tp and config.tp_lcm_size:  # SGLang checked that tp_size divides it
         share_tp = tuple(sorted({int(config.tp_lcm_size), config.tp_size}))
+    # A process SGLang started joins the cluster when it opens the store.
+    address = options.ray_address or options.ray.address or "auto"
     storage = StorageConfig(
         backend=options.store,
         model_id=options.model_id or str(config.model_name or ""),
         model_revision=options.model_revision,
         share_tp=share_tp,
         share_pp=options.share_pp,
-        ray=options.ray,
+        ray=msgspec.structs.replace(options.ray, address=address),
         file=options.file,
     )
     return kv, storage
 
 
-def connect(storage: StorageConfig, plan: ShardPlan, ray_address: str) -> PagedBackend:
-    """The store ``storage`` names, joining the Ray cluster at ``ray_address`` first when
-    this process is not connected (the ray store only)."""
-    if storage.backend == "ray":
-        import ray
-
-        if not ray.is_initialized():
-            log.info("hicache-ray: connecting to the Ray cluster at %s", ray_address or "auto")
-            ray.init(address=ray_address or "auto", log_to_driver=False)
-        import actors.ray_store  # noqa: F401  (registers the ray backend)
+def connect(storage: StorageConfig, plan: ShardPlan) -> PagedBackend:
+    """The store ``storage`` names (the ``ray`` store joins its Ray cluster if needed)."""
     backend: StorageBackend = create_backend(storage, plan)
     assert isinstance(backend, PagedBackend)
     return backend

@@ -58,7 +58,7 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StorageBackend(ABC):
-    """Shared page storage (L3). Implementations register by name in the registry."""
+    """Shared page storage (L3). Implementations are named in :mod:`hicache_ray.backends`."""
 
     name: str = "abstract"
 

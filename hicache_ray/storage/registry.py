@@ -1,8 +1,8 @@
-"""Storage backends by name.
+"""The built-in storage backends and ``create_backend``.
 
-A factory takes the storage config and this rank's key plan and returns a backend; the
-built-in ones are registered below, others (the Ray object store backend of ``actors``)
-register themselves with :func:`register_backend` when their module is imported.
+Backends are named in :mod:`hicache_ray.backends` (a ``"module:attribute"`` path each, the
+``ray`` one in the Ray layer), so a name resolves in every process without importing a
+module for its side effects.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hicache_ray.backends import backend_names, load_factory, register_backend
 from hicache_ray.config import StorageConfig
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import ShardPlan
@@ -25,22 +26,14 @@ __all__ = [
     "NullBackend",
     "backend_names",
     "create_backend",
+    "file_backend",
+    "memory_backend",
+    "null_backend",
     "register_backend",
     "with_faults",
 ]
 
 BackendFactory = Callable[[StorageConfig, ShardPlan], StorageBackend]
-
-_REGISTRY: dict[str, BackendFactory] = {}
-
-
-def register_backend(name: str, factory: BackendFactory) -> None:
-    """Make ``name`` usable as ``StorageConfig.backend``; a second registration replaces."""
-    _REGISTRY[name] = factory
-
-
-def backend_names() -> list[str]:
-    return sorted(_REGISTRY)
 
 
 def create_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
@@ -50,15 +43,13 @@ def create_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
         ConfigError: no backend is registered under that name, or no model id is set.
     """
     config.check_model_id()
-    factory = _REGISTRY.get(config.backend)
-    if factory is None:
+    factory: BackendFactory = load_factory(config.backend)
+    backend = factory(config, plan)
+    if not isinstance(backend, StorageBackend):
         raise ConfigError(
-            "storage_backend",
-            config.backend,
-            "no backend registered under this name",
-            f"use one of {backend_names()} (the `ray` backend registers when `actors` is imported)",
+            "storage_backend", config.backend, "its factory returned no StorageBackend", "fix it"
         )
-    return factory(config, plan)
+    return backend
 
 
 class NullBackend(StorageBackend):
@@ -87,14 +78,18 @@ def with_faults(config: StorageConfig, objects: ObjectStore) -> ObjectStore:
     return FaultyObjects(objects, config.faults, config.fault_seed) if config.faults else objects
 
 
-def _memory(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
+def null_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
+    return NullBackend()
+
+
+def memory_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
     objects = with_faults(config, MemoryObjects())
     return PagedBackend(
         "memory", objects, plan, capacity_bytes=config.memory.capacity_bytes, scan_on_start=False
     )
 
 
-def _file(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
+def file_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
     opts = config.file
     return PagedBackend(
         "file",
@@ -104,8 +99,3 @@ def _file(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
         metadata_ttl_s=opts.metadata_ttl_s,
         scan_on_start=opts.scan_on_start,
     )
-
-
-register_backend("none", lambda config, plan: NullBackend())
-register_backend("memory", _memory)
-register_backend("file", _file)

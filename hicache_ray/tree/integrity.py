@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from hicache_ray.tree.node import TreeNode
 from hicache_ray.tree.tokens import TOKEN_BYTES
 
-if TYPE_CHECKING:
-    from hicache_ray.tree.radix_tree import HiRadixTree
-
-__all__ = ["check_tree"]
+__all__ = ["Tally", "check_tree"]
 
 
-def check_tree(tree: HiRadixTree) -> None:
-    """Assert every invariant in the radix tree's module docstring and its page counters."""
-    page = tree.page_size * TOKEN_BYTES
+@dataclass
+class Tally:
+    """What a walk of the tree counted (the tree compares it with its own counters)."""
+
+    nodes: int = 0
+    device_pages: int = 0
+    host_pages: int = 0
+    device_leaves: set[TreeNode] = field(default_factory=set)
+    host_leaves: set[TreeNode] = field(default_factory=set)
+
+
+def check_tree(root: TreeNode, page_size: int) -> Tally:
+    """Assert every invariant in the radix tree's module docstring below ``root``; the
+    counts, for the caller to compare with its counters."""
+    page = page_size * TOKEN_BYTES
     device_total = host_total = count = 0
     seen_device: set[int] = set()
     seen_host: set[int] = set()
     device_leaves: set[TreeNode] = set()
     host_leaves: set[TreeNode] = set()
-    stack = [tree.root]
+    stack = [root]
     while stack:
         node = stack.pop()
         lock_sum = host_lock_sum = 0
@@ -33,10 +42,10 @@ def check_tree(tree: HiRadixTree) -> None:
             host_lock_sum += child.host_lock_ref
             device_children += child.device_pages is not None
             stack.append(child)
-        assert node is tree.root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
-        assert node is tree.root or node.host_lock_ref >= host_lock_sum, f"{node}: host lock"
+        assert node is root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
+        assert node is root or node.host_lock_ref >= host_lock_sum, f"{node}: host lock"
         assert node.num_device_children == device_children, f"{node}: device child count"
-        if node is tree.root:
+        if node is root:
             continue
         count += 1
         pages = len(node.key) // page
@@ -47,7 +56,7 @@ def check_tree(tree: HiRadixTree) -> None:
         assert parent is not None
         if node.device_pages is not None:
             assert len(node.device_pages) == pages, f"{node}: device page count"
-            assert parent is tree.root or parent.device_pages is not None, (
+            assert parent is root or parent.device_pages is not None, (
                 f"{node}: on device under an evicted parent"
             )
             assert seen_device.isdisjoint(node.device_pages), f"{node}: device page reused"
@@ -62,8 +71,4 @@ def check_tree(tree: HiRadixTree) -> None:
             assert seen_host.isdisjoint(node.host_pages), f"{node}: host page reused"
             seen_host.update(node.host_pages)
             host_total += pages
-    assert count == tree.num_nodes, "node count"
-    assert device_total == tree.num_device_pages, "device page counter"
-    assert host_total == tree.num_host_pages, "host page counter"
-    assert device_leaves == tree._device_leaves, "device leaf set"
-    assert host_leaves == tree._host_leaves, "host leaf set"
+    return Tally(count, device_total, host_total, device_leaves, host_leaves)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:  # the tree only stores it; the controller makes and reads it
-    from hicache_ray.controller.backup import BackupTask
+from typing import Protocol
 
 __all__ = ["BackupMark", "MatchResult", "Pending", "TreeNode"]
 
@@ -42,7 +39,7 @@ class TreeNode:
 
     ``page_hashes`` caches the storage page hashes of the key (filled by whoever needs
     them; a split divides it), and ``backup`` the state of the node's L3 backup: None
-    (never asked), the latest :class:`~hicache_ray.controller.backup.BackupTask`, or a
+    (never asked), the latest backup task (the controller's, seen as a :class:`Pending`), or a
     :class:`BackupMark`.
     """
 
@@ -79,7 +76,7 @@ class TreeNode:
         self.last_access = 0
         self.num_device_children = 0
         self.page_hashes: list[str] | None = None
-        self.backup: BackupTask | BackupMark | None = None
+        self.backup: Pending | BackupMark | None = None  # the controller's backup task
 
     @property
     def evicted(self) -> bool:

@@ -464,4 +464,9 @@ class HiRadixTree:
 
     def check_integrity(self) -> None:
         """Assert every invariant in the module docstring and the page counters."""
-        check_tree(self)
+        tally = check_tree(self.root, self.page_size)
+        assert tally.nodes == self.num_nodes, "node count"
+        assert tally.device_pages == self.num_device_pages, "device page counter"
+        assert tally.host_pages == self.num_host_pages, "host page counter"
+        assert tally.device_leaves == self._device_leaves, "device leaf set"
+        assert tally.host_leaves == self._host_leaves, "host leaf set"

@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from apps.multiturn import exact
 from hicache_ray.config import (
     CacheConfig,
     MemoryConfig,
@@ -14,7 +15,6 @@ from hicache_ray.config import (
     StorageConfig,
 )
 from hicache_ray.model import ModelConfig
-from hicache_ray.multiturn import exact
 
 PAGE = 4
 # Four KV heads, so TP=1, 2 and 4 all tile them; two layers, so PP=2 holds one each.

@@ -74,7 +74,6 @@ class _Client:
     """Writes or reads pages through the `ray` backend from the node it runs on."""
 
     def __init__(self, options: RayStorageOptions) -> None:
-        import actors as registers_backend  # noqa: F401
         from hicache_ray.storage import create_backend
 
         self.plan = make_plan()

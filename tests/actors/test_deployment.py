@@ -175,7 +175,7 @@ def test_stats_command_and_prometheus_metrics(
     import urllib.request
 
     from actors.metrics import flatten_stats
-    from hicache_ray.cli import main
+    from apps.cli import main
     from hicache_ray.metrics import METRICS
     from hicache_ray.stats import CacheStats, ControllerStats
     from tests.ray_util import wait_until

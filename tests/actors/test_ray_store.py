@@ -51,8 +51,6 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 @ray.remote(num_cpus=0)
 class _Writer:
     def write(self, opts: RayStorageOptions, num_pages: int) -> int:
-        import actors  # noqa: F401 - registers the backend in this worker
-
         plan = make_plan()
         backend = _backend(opts, plan)
         stored = backend.put(page_keys(plan, num_pages), make_pages(plan, num_pages))

@@ -51,7 +51,7 @@ def test_list_clear_and_drop(ray_local: None) -> None:
 
 
 def test_store_command(ray_local: None, tmp_path: Any, capsys: Any) -> None:
-    from hicache_ray.cli import main
+    from apps.cli import main
 
     _fill("life-cli", 4)
     out = tmp_path / "stores.json"

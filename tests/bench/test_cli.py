@@ -5,8 +5,8 @@ from typing import Any
 
 import msgspec
 
-from hicache_ray.bench.report import Report, figure
-from hicache_ray.cli import main
+from apps.cli import main
+from apps.report import Report, figure
 
 
 def test_figure_verdicts() -> None:
@@ -119,7 +119,7 @@ def test_bench_faults_every_scenario_survives(tmp_path: Path, ray_local: None) -
     out = tmp_path / "faults.json"
     assert main(["bench", "faults", "--json", str(out)]) == 0
     by_name: dict[str, Any] = _figures(out)
-    from actors.faults_bench import SCENARIOS
+    from apps.bench.faults_bench import SCENARIOS
 
     for scenario in SCENARIOS:
         assert by_name[f"faults.{scenario}.wrong_outputs"].value == 0

@@ -114,7 +114,7 @@ def test_stats_and_store_ls_through_the_dashboard_address(head: str, tmp_path: P
         (["store", "ls", "--address", head], "["),
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "hicache_ray.cli", *argv, "--timeout", "30"],
+            [sys.executable, "-m", "apps.cli", *argv, "--timeout", "30"],
             env=env,
             capture_output=True,
             text=True,

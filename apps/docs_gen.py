@@ -1,8 +1,8 @@
 """The generated parts of docs/: the configuration reference (from the config structs'
 docstrings, defaults and types) and the metrics table (from ``hicache_ray.metrics``).
 
-    python -m hicache_ray.docs_gen           # rewrite them in docs/
-    python -m hicache_ray.docs_gen --check   # exit 1 when docs/ is stale (a test runs it)
+    python -m apps.docs_gen           # rewrite them in docs/
+    python -m apps.docs_gen --check   # exit 1 when docs/ is stale (a test runs it)
 
 Each generated block sits between ``<!-- generated ... -->`` and ``<!-- end generated -->``
 in its file; the text around it is written by hand.
@@ -96,10 +96,10 @@ def config_reference(classes: list[type], prefixes: dict[type, str]) -> str:
 
 
 def _configuration() -> str:
-    from actors.spec import DeploymentConfig
     from hicache_ray import config as c
     from hicache_ray.integrations.sglang_setup import SGLangStoreOptions
     from hicache_ray.model.config import ModelConfig
+    from hicache_ray.spec import DeploymentConfig
 
     classes: list[type] = [
         c.CacheConfig,

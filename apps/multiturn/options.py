@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from apps.multiturn.trace import Lengths, Trace, TraceConfig
 from hicache_ray.config import (
     CacheConfig,
     FileStorageOptions,
@@ -17,7 +18,6 @@ from hicache_ray.config import (
 )
 from hicache_ray.errors import ConfigError
 from hicache_ray.model import preset
-from hicache_ray.multiturn.trace import Lengths, Trace, TraceConfig
 
 __all__ = ["MODES", "ExperimentOptions"]
 
@@ -124,7 +124,7 @@ class ExperimentOptions:
 
     def deployment(self, name: str, cache: CacheConfig, **kw: Any) -> Any:
         """The ``actors.DeploymentConfig`` of one deployment of this run."""
-        from actors.spec import DeploymentConfig
+        from hicache_ray.spec import DeploymentConfig
 
         base = {"tp_size": self.tp_size, "pp_size": self.pp_size, **kw}
         return DeploymentConfig(name=name, model=preset(self.model), cache=cache, **base)

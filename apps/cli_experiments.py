@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any, get_args
 
-from hicache_ray.cli_args import (
+from apps.cli_args import (
     MODEL_PRESETS,
     csv_of,
     length_range,
@@ -117,7 +117,7 @@ def add_experiment_flags(p: argparse.ArgumentParser, *, demo: bool) -> None:
 
 def experiment_options(args: argparse.Namespace) -> Any:
     """The :class:`ExperimentOptions` of the flags, checked (``ConfigError`` otherwise)."""
-    from hicache_ray.multiturn.options import ExperimentOptions
+    from apps.multiturn.options import ExperimentOptions
 
     demo = args.command == "demo"
     given = {
@@ -162,7 +162,7 @@ def add_serve_bench_flags(p: argparse.ArgumentParser) -> None:
 
 def serve_options(args: argparse.Namespace) -> Any:
     """The :class:`ServeOptions` of the flags, checked."""
-    from actors.serve_bench import ServeOptions
+    from apps.bench.serve_options import ServeOptions
 
     opts = ServeOptions.quick() if args.quick else ServeOptions()
     given = {

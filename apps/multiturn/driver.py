@@ -17,10 +17,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from actors.deployment import Deployment
+from apps.multiturn import OracleRequest, Trace, lru_hit_tokens
+from apps.multiturn.options import MODES
+from apps.multiturn.report import RoundSummary
 from hicache_ray.config import CacheConfig, StorageConfig, WriteConfig
-from hicache_ray.multiturn import OracleRequest, Trace, lru_hit_tokens
-from hicache_ray.multiturn.options import MODES
-from hicache_ray.multiturn.report import RoundSummary
 from hicache_ray.runtime import GenerateRequest, RequestResult
 
 __all__ = ["MODES", "Progress", "mode_cache", "oracle_hits", "replay_rounds", "serve_rounds"]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hicache_ray.bench.report import Figure, figure, percentile
+from apps.report import Figure, figure, percentile
 from hicache_ray.runtime import RequestResult
 
 __all__ = ["RoundSummary", "Series", "figures", "plot", "rows", "table"]

@@ -18,70 +18,17 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from actors.deployment import Deployment
-from actors.multiturn import mode_cache
 from actors.stores import drop_store
-from hicache_ray.bench.report import Figure, figure, percentile, split_figures
-from hicache_ray.config import PrefetchConfig
-from hicache_ray.multiturn.options import ExperimentOptions
-from hicache_ray.request import GenerateRequest, TTFTSplit
+from apps.bench.serve_http_bench import run_http_modes
+from apps.bench.serve_options import ServeOptions, Turn, mode_figures
+from apps.multiturn.driver import mode_cache
+from apps.report import Figure, figure
+from hicache_ray.request import GenerateRequest
 
-__all__ = ["SERVE_MODES", "ServeOptions", "Turn", "mode_figures", "run_serve_bench"]
-
-SERVE_MODES = ("none", "l1_l2", "l1_l2_l3")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """The workload (``experiment`` holds the trace, capacities and policies) and load."""
-
-    experiment: ExperimentOptions = field(
-        default_factory=lambda: ExperimentOptions(
-            clients=16,
-            rounds=4,
-            system_len=512,
-            user="48-64",
-            answer="16-24",
-            device_tokens=16384,
-            host_ratio=2.0,
-            page_size=16,
-            prefetch_threshold=PrefetchConfig().threshold_tokens,  # what a server runs with
-        )
-    )
-    rate: float = 0.0  # turns per second (0: closed loop)
-    modes: tuple[str, ...] = SERVE_MODES
-    batch_running: int = 16  # requests running at once for the batching speedup
-    decode_tokens: int = 48  # generated per request in the batching measurement
-    overload_factor: int = 4  # clients per request the pool holds, in the overload run
-    http: bool = False  # also through the OpenAI endpoint (``actors.serve_http_bench``)
-
-    @classmethod
-    def quick(cls) -> ServeOptions:
-        small = ExperimentOptions(
-            clients=4,
-            rounds=2,
-            system_len=32,
-            user="8-12",
-            answer="4-6",
-            model="tiny4",
-            page_size=4,
-            device_tokens=1024,
-        )
-        return cls(experiment=small, batch_running=8, decode_tokens=8, overload_factor=4)
-
-
-@dataclass
-class Turn:
-    """What one client saw of one turn."""
-
-    ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    tokens: int = 0
-    queue_s: float = 0.0
-    failed: bool = False
-    split: TTFTSplit | None = None  # where the TTFT went on rank 0 (Python API only)
+__all__ = ["run_serve_bench"]
 
 
 async def _stream(dep: Deployment, request: GenerateRequest) -> tuple[Turn, list[int]]:
@@ -141,33 +88,6 @@ async def _clients(dep: Deployment, opts: ServeOptions, tag: str) -> tuple[list[
     return turns, time.perf_counter() - started
 
 
-def mode_figures(mode: str, turns: list[Turn], wall: float) -> list[Figure]:
-    """The figures ``serve.{mode}.*`` of one mode's turns."""
-    done = [t for t in turns if not t.failed]
-    ttft = [t.ttft_s * 1e3 for t in done]
-    itl = [g * 1e3 for t in done for g in t.itl_s]
-    name = f"serve.{mode}"
-    return [
-        figure(f"{name}.requests_per_s", len(done) / wall, "req/s"),
-        figure(f"{name}.output_tokens_per_s", sum(t.tokens for t in done) / wall, "tok/s"),
-        figure(f"{name}.ttft_p50_ms", percentile(ttft, 50), "ms", better="lower"),
-        figure(f"{name}.ttft_p90_ms", percentile(ttft, 90), "ms", better="lower"),
-        figure(f"{name}.ttft_p99_ms", percentile(ttft, 99), "ms", better="lower"),
-        figure(f"{name}.itl_p50_ms", percentile(itl, 50), "ms", better="lower"),
-        figure(
-            f"{name}.queue_wait_p50_ms",
-            percentile([t.queue_s * 1e3 for t in done], 50),
-            "ms",
-            better="lower",
-        ),
-        figure(
-            f"{name}.failed_requests", len(turns) - len(done), "requests", target=0, better="lower"
-        ),
-        # none over HTTP: the client sees no split
-        *split_figures(name, [t.split for t in done if t.split is not None]),
-    ]
-
-
 async def _decode_rate(dep: Deployment, n: int, tokens: int, batched: bool) -> float:
     """Generated tokens per second of ``n`` requests with short prompts, all at once or one
     after the other."""
@@ -203,7 +123,7 @@ def _run_mode(
 
 def run_serve_bench(opts: ServeOptions, log: Callable[[str], None] = print) -> list[Figure]:
     """Every mode under load, then the batching and overload measurements."""
-    from actors.experiments import embedded_ray
+    from apps.experiments import embedded_ray
 
     exp = opts.experiment
     found: list[Figure] = []
@@ -222,8 +142,6 @@ def run_serve_bench(opts: ServeOptions, log: Callable[[str], None] = print) -> l
         found += batching
         found += _overload(opts, log)
         if opts.http:
-            from actors.serve_http_bench import run_http_modes
-
             found += run_http_modes(opts, api, log)
     return found
 

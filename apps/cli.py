@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hicache_ray.cli_args import (
+from apps.cli_args import (
     FAULT_SCENARIOS,
     SERVE_OPTIONS,
     address,
@@ -28,7 +28,7 @@ from hicache_ray.cli_args import (
     positive_float,
     positive_int,
 )
-from hicache_ray.cli_experiments import add_experiment_flags, add_serve_bench_flags
+from apps.cli_experiments import add_experiment_flags, add_serve_bench_flags
 
 __all__ = ["main"]
 
@@ -49,7 +49,7 @@ def _command(
     sub: Any, name: str, text: str, run: str, prepare: str | None = None
 ) -> argparse.ArgumentParser:
     """A subcommand whose handler (and optional check, run before anything starts) are
-    functions of ``hicache_ray.cli_commands``, imported only when it runs."""
+    functions of ``apps.cli_commands``, imported only when it runs."""
     p: argparse.ArgumentParser = sub.add_parser(
         name, help=text, description=text, formatter_class=_Help
     )
@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hicache_ray.errors import ConfigError
 
     args = _parser().parse_args(argv)
-    import hicache_ray.cli_commands as commands
+    import apps.cli_commands as commands
 
     prepared: Any = None
     if args.prepare:

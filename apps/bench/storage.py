@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_ray.bench.report import Figure, figure, fp16_kv, time_into
+from apps.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.config import (
     CacheConfig,
     FileStorageOptions,
@@ -373,11 +373,9 @@ def warm_object_store(nbytes: int) -> None:
 
 
 def _ensure_ray() -> bool:
-    """Connect the ``ray`` backend: register it, start a local Ray if none is running
-    (returns whether this call started it)."""
+    """Start a local Ray for the ``ray`` backend if none is running (returns whether this
+    call started it)."""
     import ray
-
-    import actors  # noqa: F401 - registers the backend
 
     if ray.is_initialized():
         return False

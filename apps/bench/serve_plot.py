@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from hicache_ray.bench.report import Figure
+from apps.report import Figure
 
 __all__ = ["plot_serve"]
 

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from actors.multiturn import mode_cache
 from actors.openai_app import serve_app
-from actors.serve_bench import ServeOptions, Turn, mode_figures
-from hicache_ray.bench.report import Figure, figure
+from apps.bench.serve_options import ServeOptions, Turn, mode_figures
+from apps.multiturn.driver import mode_cache
+from apps.report import Figure, figure
 
 __all__ = ["HTTP_MODES", "run_http_modes"]
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hicache_ray.cli_experiments import experiment_options as options
-from hicache_ray.cli_experiments import serve_options as serve_bench_options
+from apps.cli_experiments import experiment_options as options
+from apps.cli_experiments import serve_options as serve_bench_options
 from hicache_ray.errors import ConfigError
 
 T = TypeVar("T")
@@ -51,7 +51,7 @@ def finish(
     rows: list[dict[str, Any]] | None = None,
 ) -> int:
     """Print the figures table and write the JSON report when asked."""
-    from hicache_ray.bench.report import Report, machine_info
+    from apps.report import Report, machine_info
 
     report = Report(
         command=command, machine=machine_info(), config=config, figures=figures, rows=rows or []
@@ -94,7 +94,7 @@ def check_device(args: argparse.Namespace) -> Any:
 def serve_app(args: argparse.Namespace) -> Any:
     """The Serve app of ``hicache-ray serve`` (every option checked, nothing started)."""
     from actors.openai_app import build_app
-    from hicache_ray.cli_args import SERVE_OPTIONS
+    from apps.cli_args import SERVE_OPTIONS
 
     given = {k: str(v) for k in SERVE_OPTIONS if (v := getattr(args, k)) is not None}
     if args.served_name:
@@ -109,7 +109,7 @@ def serve_app(args: argparse.Namespace) -> Any:
 def bench_micro(args: argparse.Namespace, device: Any) -> int:
     import torch
 
-    from hicache_ray.bench.micro import MicroOptions, run_micro
+    from apps.bench.micro import MicroOptions, run_micro
 
     opts = MicroOptions.quick_options() if args.quick else MicroOptions()
     torch.set_num_threads(args.threads)
@@ -121,7 +121,7 @@ def bench_micro(args: argparse.Namespace, device: Any) -> int:
 def bench_storage(args: argparse.Namespace, _: None) -> int:
     import torch
 
-    from hicache_ray.bench.storage import StorageBenchOptions, run_storage_bench
+    from apps.bench.storage import StorageBenchOptions, run_storage_bench
 
     base = StorageBenchOptions.quick() if args.quick else StorageBenchOptions()
     backends = tuple(args.backend or base.backends)
@@ -132,7 +132,7 @@ def bench_storage(args: argparse.Namespace, _: None) -> int:
     figures = run_storage_bench(opts, _log)
     config: dict[str, Any] = dataclasses.asdict(opts)
     if "sglang" in backends:
-        from hicache_ray.bench.sglang_storage import SGLangBenchOptions, run_sglang_bench
+        from apps.bench.sglang_storage import SGLangBenchOptions, run_sglang_bench
 
         sglang = SGLangBenchOptions.quick() if args.quick else SGLangBenchOptions()
         figures += run_sglang_bench(sglang, _log)
@@ -143,7 +143,7 @@ def bench_storage(args: argparse.Namespace, _: None) -> int:
 def bench_runtime(args: argparse.Namespace, _: None) -> int:
     import torch
 
-    from hicache_ray.bench.runtime import RuntimeBenchOptions, run_runtime_bench
+    from apps.bench.runtime import RuntimeBenchOptions, run_runtime_bench
 
     opts = RuntimeBenchOptions.quick() if args.quick else RuntimeBenchOptions()
     torch.set_num_threads(args.threads)
@@ -168,7 +168,7 @@ def _profiled(path: str, run: Callable[[], T]) -> T:
 
 
 def bench_faults(args: argparse.Namespace, _: None) -> int:
-    from actors.faults_bench import FaultOptions, run_faults
+    from apps.bench.faults_bench import FaultOptions, run_faults
 
     opts = FaultOptions(scenarios=args.scenarios, tp_size=args.tp, model=args.model)
     figures = run_faults(opts, _log)
@@ -176,7 +176,7 @@ def bench_faults(args: argparse.Namespace, _: None) -> int:
 
 
 def bench_soak(args: argparse.Namespace, _: None) -> int:
-    from actors.soak import SoakOptions, run_soak
+    from apps.bench.soak import SoakOptions, run_soak
 
     opts = SoakOptions(
         duration_s=args.duration,
@@ -190,8 +190,8 @@ def bench_soak(args: argparse.Namespace, _: None) -> int:
 
 def experiment(args: argparse.Namespace, opts: Any) -> int:
     """``demo`` and ``bench multiturn``: exit 1 when a sampled answer differs from recompute."""
-    from actors.experiments import DEMO_SHAPES, run_demo, run_multiturn_bench
-    from hicache_ray.multiturn.report import plot, rows
+    from apps.experiments import DEMO_SHAPES, run_demo, run_multiturn_bench
+    from apps.multiturn.report import plot, rows
 
     demo = args.command == "demo"
     series, figures = (run_demo if demo else run_multiturn_bench)(opts, _log)
@@ -213,8 +213,8 @@ def experiment(args: argparse.Namespace, opts: Any) -> int:
 
 
 def serve_bench(args: argparse.Namespace, opts: Any) -> int:
-    from actors.serve_bench import run_serve_bench
-    from hicache_ray.bench.serve_plot import plot_serve
+    from apps.bench.serve_bench import run_serve_bench
+    from apps.bench.serve_plot import plot_serve
 
     figures = run_serve_bench(opts, _log)
     status = finish(args, "bench serve", dataclasses.asdict(opts), figures)
@@ -228,7 +228,7 @@ def serve_bench(args: argparse.Namespace, opts: Any) -> int:
 
 
 def stats(args: argparse.Namespace, _: None) -> int:
-    from hicache_ray.cli_cluster import connected, run_in_cluster
+    from apps.cli_cluster import connected, run_in_cluster
 
     if args.address.kind == "dashboard":
         return run_in_cluster(args, ["stats", "--timeout", str(args.timeout)])
@@ -249,7 +249,7 @@ def stats(args: argparse.Namespace, _: None) -> int:
 def store(args: argparse.Namespace, _: None) -> int:
     import msgspec
 
-    from hicache_ray.cli_cluster import connected, run_in_cluster
+    from apps.cli_cluster import connected, run_in_cluster
 
     if args.address.kind == "dashboard":
         rest = [] if args.action == "ls" else [args.name]

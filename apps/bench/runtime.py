@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache_ray.bench.report import Figure, figure, percentile, split_figures
+from apps.report import Figure, figure, percentile, split_figures
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig, WriteConfig
 from hicache_ray.controller import CacheController
 from hicache_ray.keys import plan_shard

@@ -4,9 +4,8 @@ from their string options (checked here: a bad value is a ``ConfigError`` naming
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from actors.spec import DeploymentConfig
-from hicache_ray.cli_args import SERVE_OPTIONS
 from hicache_ray.config import (
     CacheConfig,
     FileStorageOptions,
@@ -16,9 +15,28 @@ from hicache_ray.config import (
     StorageConfig,
 )
 from hicache_ray.errors import ConfigError
-from hicache_ray.model.checkpoint import resolve_model
+
+if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
+    from hicache_ray.spec import DeploymentConfig
 
 __all__ = ["SERVE_OPTIONS", "serve_deployment_config"]
+
+# ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``: option -> (default,
+# help); values arrive as strings and are checked by ``serve_deployment_config``.
+SERVE_OPTIONS: dict[str, tuple[str, str]] = {
+    "model": ("", "a preset (tiny, tiny4, bench: random weights) or a checkpoint directory"),
+    "tp": ("1", "tensor-parallel size"),
+    "pp": ("1", "pipeline-parallel size"),
+    "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
+    "storage_root": ("", "directory or URI of the file backend"),
+    "store": ("", "name of the ray L3 store (default: serve-<model>)"),
+    "device_tokens": ("16384", "L1 (device pool) tokens per rank"),
+    "host_ratio": ("2.0", "L2 (host pool) size as a multiple of L1"),
+    "page_size": ("16", "tokens per KV page"),
+    "max_queued": ("1024", "requests waiting to start before more are refused (503)"),
+    "cpus_per_rank": ("1", "CPUs each rank reserves"),
+    "gpus_per_rank": ("0", "GPUs each rank reserves (1 on GPU clusters)"),
+}
 
 
 def _number(name: str, value: str, kind: type[int] | type[float]) -> float:
@@ -34,7 +52,10 @@ def _number(name: str, value: str, kind: type[int] | type[float]) -> float:
 
 
 def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
-    """The :class:`~actors.spec.DeploymentConfig` of the serve options ``args``."""
+    """The :class:`~hicache_ray.spec.DeploymentConfig` of the serve options ``args``."""
+    from hicache_ray.model.checkpoint import resolve_model
+    from hicache_ray.spec import DeploymentConfig
+
     unknown = set(args) - set(SERVE_OPTIONS) - {"served_name", "keep_store"}
     if unknown:
         raise ConfigError(

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hicache_ray.cli_args import Address
+from apps.cli_args import Address
 
 __all__ = ["connected", "run_in_cluster"]
 
@@ -92,7 +92,7 @@ def run_in_cluster(args: argparse.Namespace, argv: list[str]) -> int:
         client = JobSubmissionClient(addr.text)
     except Exception as exc:
         raise _fail(f"no Ray dashboard at {addr}: {str(exc).splitlines()[0]}") from None
-    entry = shlex.join([sys.executable, "-m", "hicache_ray.cli", *argv, "--address", "auto"])
+    entry = shlex.join([sys.executable, "-m", "apps.cli", *argv, "--address", "auto"])
     job = client.submit_job(entrypoint=entry)
     deadline = time.monotonic() + 60 + 2 * args.timeout  # the job's start, then the command
     terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}

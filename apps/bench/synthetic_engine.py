@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from apps.bench.workload import synthetic_kv
 from hicache_ray.cache import CacheHandle, HiCache
-from hicache_ray.workload import synthetic_kv
 
 __all__ = ["ReadbackError", "check_prefix", "compute", "serve"]
 

@@ -33,12 +33,12 @@ import ray
 import torch
 
 from actors.deployment import Deployment, DeploymentError
-from actors.experiments import embedded_ray
 from actors.ray_store import NAMESPACE, shared_storage
-from actors.spec import DeploymentConfig
 from actors.stores import drop_store, store_stats
-from hicache_ray.bench.report import Figure, figure
-from hicache_ray.cli_args import FAULT_SCENARIOS
+from apps.cli_args import FAULT_SCENARIOS
+from apps.experiments import embedded_ray
+from apps.multiturn.exact import recompute
+from apps.report import Figure, figure
 from hicache_ray.config import (
     CacheConfig,
     Fault,
@@ -47,8 +47,8 @@ from hicache_ray.config import (
     RayStorageOptions,
 )
 from hicache_ray.model import preset
-from hicache_ray.multiturn.exact import recompute
 from hicache_ray.runtime import GenerateRequest, RequestResult
+from hicache_ray.spec import DeploymentConfig
 
 __all__ = ["SCENARIOS", "FaultOptions", "run_faults"]
 

@@ -1,5 +1,6 @@
 """What the command line accepts, checked where it enters: argparse ``type=`` functions,
-choices, and the serve options. Imports nothing heavy (``--help`` must stay fast)."""
+choices; the serve options come from ``hicache_ray.serve_options``. Imports nothing heavy
+(``--help`` must stay fast)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import argparse
 import re
 from collections.abc import Callable
 from urllib.parse import urlsplit
+
+from hicache_ray.serve_options import SERVE_OPTIONS
 
 __all__ = [
     "FAULT_SCENARIOS",
@@ -26,7 +29,7 @@ __all__ = [
 # Names of hicache_ray.model.PRESETS (a test keeps them equal; importing the presets would
 # import torch, and --help must not).
 MODEL_PRESETS = ("tiny", "tiny4", "bench")
-# Scenarios of actors.faults_bench (a test keeps them equal).
+# Scenarios of apps.bench.faults_bench (a test keeps them equal).
 FAULT_SCENARIOS = (
     "rank_killed_admit",
     "rank_killed_prefill",
@@ -37,23 +40,6 @@ FAULT_SCENARIOS = (
     "l3_write_failures",
     "l3_slow_reads",
 )
-
-# ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``: option -> (default,
-# help); values arrive as strings and are checked by ``actors.serve_config``.
-SERVE_OPTIONS: dict[str, tuple[str, str]] = {
-    "model": ("", "a preset (tiny, tiny4, bench: random weights) or a checkpoint directory"),
-    "tp": ("1", "tensor-parallel size"),
-    "pp": ("1", "pipeline-parallel size"),
-    "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
-    "storage_root": ("", "directory or URI of the file backend"),
-    "store": ("", "name of the ray L3 store (default: serve-<model>)"),
-    "device_tokens": ("16384", "L1 (device pool) tokens per rank"),
-    "host_ratio": ("2.0", "L2 (host pool) size as a multiple of L1"),
-    "page_size": ("16", "tokens per KV page"),
-    "max_queued": ("1024", "requests waiting to start before more are refused (503)"),
-    "cpus_per_rank": ("1", "CPUs each rank reserves"),
-    "gpus_per_rank": ("0", "GPUs each rank reserves (1 on GPU clusters)"),
-}
 
 
 def _number(text: str, kind: type[int] | type[float], what: str) -> float:

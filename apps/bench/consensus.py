@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hicache_ray.bench.report import Figure, figure, fp16_kv, time_into
+from apps.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
 from hicache_ray.controller import (
     Arrival,

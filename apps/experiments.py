@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 import ray
 
 from actors.deployment import Deployment
-from actors.multiturn import Progress, mode_cache, oracle_hits, replay_rounds, serve_rounds
 from actors.stores import drop_store
-from hicache_ray.bench.report import Figure, figure
+from apps.multiturn.driver import Progress, mode_cache, oracle_hits, replay_rounds, serve_rounds
+from apps.multiturn.exact import recompute
+from apps.multiturn.options import ExperimentOptions
+from apps.multiturn.report import Series, figures, table
+from apps.report import Figure, figure
 from hicache_ray.model import preset
-from hicache_ray.multiturn.exact import recompute
-from hicache_ray.multiturn.options import ExperimentOptions
-from hicache_ray.multiturn.report import Series, figures, table
 
 __all__ = ["DEMO_SHAPES", "ExperimentOptions", "embedded_ray", "run_demo", "run_multiturn_bench"]
 

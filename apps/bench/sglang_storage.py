@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_ray.bench.report import Figure, figure
-from hicache_ray.bench.storage import _ensure_ray, _RawRay, warm_object_store
+from apps.bench.storage import _ensure_ray, _RawRay, warm_object_store
+from apps.report import Figure, figure
 from hicache_ray.config import RayStorageOptions
 from hicache_ray.integrations.host_layouts import HostGeometry, buffer_shape
 from hicache_ray.keys import page_hashes

@@ -25,12 +25,12 @@ from typing import Any
 import ray
 
 from actors.deployment import Deployment
-from actors.experiments import embedded_ray
 from actors.inspect import object_store_usage
 from actors.ray_store import shared_storage
-from actors.spec import DeploymentConfig
 from actors.stores import drop_store
-from hicache_ray.bench.report import Figure, figure
+from apps.experiments import embedded_ray
+from apps.multiturn.exact import recompute
+from apps.report import Figure, figure
 from hicache_ray.config import (
     CacheConfig,
     Fault,
@@ -39,8 +39,8 @@ from hicache_ray.config import (
     RayStorageOptions,
 )
 from hicache_ray.model import preset
-from hicache_ray.multiturn.exact import recompute
 from hicache_ray.runtime import GenerateRequest, RequestResult
+from hicache_ray.spec import DeploymentConfig
 
 __all__ = ["SoakOptions", "run_soak"]
 

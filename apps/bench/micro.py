@@ -20,11 +20,11 @@ from functools import partial
 
 import torch
 
-from hicache_ray.bench.report import Figure, figure, fp16_kv, time_into
+from apps.bench.workload import shared_prefix_requests
+from apps.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.memory import DevicePool, HostPool, PageAllocator, Transfer, TransferEngine
 from hicache_ray.tree import HiRadixTree
 from hicache_ray.tree.tokens import encode_tokens
-from hicache_ray.workload import shared_prefix_requests
 
 __all__ = ["MicroOptions", "run_micro"]
 
@@ -186,7 +186,7 @@ def tree_figures(opts: MicroOptions, log: Callable[[str], None]) -> list[Figure]
 def run_micro(
     opts: MicroOptions, device: torch.device, log: Callable[[str], None] = print
 ) -> list[Figure]:
-    from hicache_ray.bench.consensus import ConsensusOptions, consensus_figures, fetch_figures
+    from apps.bench.consensus import ConsensusOptions, consensus_figures, fetch_figures
 
     copts = ConsensusOptions.quick() if opts.quick else ConsensusOptions()
     return (
