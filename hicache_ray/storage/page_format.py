@@ -21,6 +21,9 @@ each chunk is still in cache: hashing after the whole read costs a second pass o
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import overload
 
 import msgspec
 import numpy as np
@@ -35,6 +38,7 @@ __all__ = [
     "FORMAT_VERSION",
     "PREFIX_BYTES",
     "CorruptPage",
+    "FutureHeaders",
     "PageHeader",
     "ReadOut",
     "StridedOut",
@@ -46,6 +50,7 @@ __all__ = [
     "framed_size",
     "header_length",
     "payload_view",
+    "tensor_problem",
     "verify",
 ]
 
@@ -209,3 +214,39 @@ def verify(
         raise CorruptPage(f"payload of {header.payload_bytes} bytes, expected {nbytes}")
     if digest != header.checksum:
         raise CorruptPage("payload checksum mismatch")
+
+
+def tensor_problem(
+    t: object, dtype: torch.dtype, shape: tuple[int, ...], *, contiguous: bool
+) -> str | None:
+    """What is wrong with ``t`` as a page (or a buffer for one) of ``dtype`` and ``shape``
+    in host memory; None if nothing."""
+    if not isinstance(t, torch.Tensor):
+        return f"expected a tensor, got {type(t).__name__}"
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        return f"expected {dtype}{list(shape)}, got {t.dtype}{list(t.shape)}"
+    if t.device.type != "cpu":
+        return f"expected a CPU tensor, got one on {t.device}"
+    if contiguous and not t.is_contiguous():
+        return "expected a contiguous tensor, got a strided view"
+    return None
+
+
+class FutureHeaders(Sequence[bytes]):
+    """Headers made on a helper thread, waited for one by one as the store writes them,
+    so hashing page i + 1 overlaps writing page i."""
+
+    def __init__(self, futures: list[Future[bytes]]) -> None:
+        self._futures = futures
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            return FutureHeaders(self._futures[i])
+        return self._futures[i].result()

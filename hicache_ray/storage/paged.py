@@ -30,8 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import overload
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,16 +40,19 @@ from hicache_ray.storage.index import PageIndex
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome
 from hicache_ray.storage.page_format import (
     CorruptPage,
+    FutureHeaders,
     ReadOut,
     StridedOut,
     checksum_of,
     encode_header,
     framed_size,
     payload_view,
+    tensor_problem,
     verify,
 )
+from hicache_ray.storage.paged_writes import PageWrites
 
-__all__ = ["PagedBackend", "make_header"]
+__all__ = ["PagedBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -61,27 +63,7 @@ _COUNTERS = tuple(
 )
 
 
-class _Headers(Sequence[bytes]):
-    """Headers made on a helper thread, waited for one by one as the store writes them,
-    so hashing page i + 1 overlaps writing page i."""
-
-    def __init__(self, futures: list[Future[bytes]]) -> None:
-        self._futures = futures
-
-    def __len__(self) -> int:
-        return len(self._futures)
-
-    @overload
-    def __getitem__(self, i: int) -> bytes: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
-    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
-        if isinstance(i, slice):
-            return _Headers(self._futures[i])
-        return self._futures[i].result()
-
-
-class PagedBackend(StorageBackend):
+class PagedBackend(PageWrites, StorageBackend):
     """Verified pages of one namespace in an :class:`ObjectStore` (see the module docstring)."""
 
     def __init__(
@@ -208,7 +190,7 @@ class PagedBackend(StorageBackend):
         try:
             errors = self.objects.write_many(
                 [keys[i] for i in new[:reserved]],
-                _Headers(futures[:reserved]),
+                FutureHeaders(futures[:reserved]),
                 payloads[:reserved],
             )
         except Exception as exc:  # the store is unreachable: nothing written
@@ -263,17 +245,12 @@ class PagedBackend(StorageBackend):
         dtype = self.plan_dtype
         for i, (key, t) in enumerate(zip(keys, tensors, strict=True)):
             spec = self.plan.spec_of(key)
-            problem = None
             if spec is None:
-                problem = f"key {key} is not one of this rank's objects ({self.plan.tag})"
-            elif not isinstance(t, torch.Tensor):
-                problem = f"expected a tensor, got {type(t).__name__}"
-            elif t.dtype != dtype or tuple(t.shape) != spec.shape:
-                problem = f"expected {dtype}{list(spec.shape)}, got {t.dtype}{list(t.shape)}"
-            elif t.device.type != "cpu":
-                problem = f"expected a CPU tensor, got one on {t.device}"
-            elif what == "page" and not t.is_contiguous():
-                problem = "expected a contiguous tensor, got a strided view"
+                problem: str | None = (
+                    f"key {key} is not one of this rank's objects ({self.plan.tag})"
+                )
+            else:
+                problem = tensor_problem(t, dtype, spec.shape, contiguous=what == "page")
             if problem is not None:
                 with self._lock:
                     self._counts["refused_pages"] += 1
@@ -324,111 +301,7 @@ class PagedBackend(StorageBackend):
             self._counts["corrupt_pages"] += 1
         self._remove([key])
 
-    # ------------------------------------------------------------------ writes
-
-    def _present(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored (cached answers within the TTL, the rest asked in
-        one call); shorter than ``keys`` when a lookup failed (the batch ends there)."""
-        now = self._clock()
-        found: list[bool] = [False] * len(keys)
-        with self._lock:
-            # Absent within the TTL (the caller just asked ``exists``): not asked again.
-            absent = {i for i, key in enumerate(keys) if self._index.take_absent(key, now)}
-            ask = [
-                i
-                for i, key in enumerate(keys)
-                if i not in absent and not self._index.fresh(key, now)
-            ]
-        asked = set(ask)
-        for i in range(len(keys)):
-            found[i] = i not in asked and i not in absent
-        if not ask:
-            return found
-        try:
-            sizes = self.objects.size_many([keys[i] for i in ask], leading=False)
-        except Exception as exc:
-            sizes = [exc]
-        with self._lock:
-            for i, size in zip(ask, sizes, strict=False):
-                if isinstance(size, Exception):
-                    log.warning("storage %s: looking up %s failed: %s", self.name, keys[i], size)
-                    self._counts["put_failures"] += 1
-                    return found[:i]
-                if size is None:
-                    self._index.forget(keys[i])
-                else:
-                    self._index.remember(keys[i], size, now)
-                    found[i] = True
-        if len(sizes) < len(ask):  # the store stopped early without saying why
-            return found[: ask[len(sizes)]]
-        return found
-
-    def _reserve(self, sizes: list[int]) -> int:
-        """Reserve room for each new page in key order; returns how many got room (a page
-        that cannot fit ends the batch). Deletes the pages evicted for them."""
-        reserved = 0
-        for size in sizes:
-            with self._lock:
-                victims = self._index.reserve(size)
-                if victims is None:
-                    self._counts["put_failures"] += 1
-                else:
-                    self._counts["evicted_pages"] += len(victims)
-            if victims is None:
-                log.warning(
-                    "storage %s: page %d of a %d-page put (%d bytes) does not fit "
-                    "capacity_bytes=%d next to the %d bytes of the pages before it in the "
-                    "same put (a put never evicts its own pages); it and the %d after it "
-                    "are not stored",
-                    self.name,
-                    reserved + 1,
-                    len(sizes),
-                    size,
-                    self.capacity_bytes,
-                    sum(sizes[:reserved]),
-                    len(sizes) - reserved - 1,
-                )
-                break
-            self._remove(victims)
-            reserved += 1
-        return reserved
-
-    def _settle_writes(
-        self,
-        keys: Sequence[str],
-        new: list[int],
-        sizes: list[int],
-        payloads: list[memoryview],
-        reserved: int,
-        errors: list[Exception | None],
-    ) -> int:
-        """Turn reservations into entries (or give them back); the leading pages stored."""
-        stored = new[reserved] if reserved < len(new) else len(keys)
-        now = self._clock()
-        with self._lock:
-            for j in range(reserved):
-                error = errors[j] if j < len(errors) else OSError("not written")
-                if error is None:
-                    self._index.commit(keys[new[j]], sizes[j], sizes[j], now)
-                    self._counts["put_pages"] += 1
-                    self._counts["put_bytes"] += payloads[j].nbytes
-                    continue
-                self._index.release(sizes[j])
-                if j < len(errors):
-                    self._counts["put_failures"] += 1
-                    log.warning("storage %s: writing %s failed: %s", self.name, keys[new[j]], error)
-                stored = min(stored, new[j])
-        return stored
-
     # ------------------------------------------------------------------ plumbing
-
-    def _remove(self, keys: list[str]) -> None:
-        if not keys:
-            return
-        try:
-            self.objects.remove_many(keys)
-        except Exception as exc:
-            log.warning("storage %s: deleting %d pages failed: %s", self.name, len(keys), exc)
 
     def _scan(self) -> None:
         found = sorted(
@@ -441,9 +314,3 @@ class PagedBackend(StorageBackend):
             victims = self._index.evict_to(self.capacity_bytes) if self.capacity_bytes else []
         self._remove(victims)
         log.info("storage %s: found %d pages of this namespace", self.name, len(found))
-
-
-def make_header(key: str, digest: str, page: torch.Tensor) -> tuple[bytes, memoryview]:
-    """The framed header of ``page`` (with its payload checksum) and its payload view."""
-    payload = payload_view(page)
-    return encode_header(key, digest, page, payload), payload
