@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BackupMark", "MatchResult", "Pending", "TreeNode"]
+__all__ = ["BackupMark", "InsertResult", "MatchResult", "Pending", "TreeNode"]
 
 
 class BackupMark(enum.Enum):
@@ -78,6 +78,33 @@ class TreeNode:
         self.page_hashes: list[str] | None = None
         self.backup: Pending | BackupMark | None = None  # the controller's backup task
 
+    def split_off(self, new_id: int, split_len: int, page_bytes: int, now: int) -> TreeNode:
+        """A new node for the first ``split_len`` key bytes of this one, put between it and
+        its parent (the caller indexes it under the parent). What the whole node had, both
+        halves have: copies in flight, backup state, locks (a lock on this node covers its
+        ancestors) and hits; pages and page hashes are divided."""
+        assert self.parent is not None
+        mid = TreeNode(new_id, self.key[:split_len], self.parent)
+        cut = split_len // page_bytes
+        if self.device_pages is not None:
+            mid.device_pages, self.device_pages = self.device_pages[:cut], self.device_pages[cut:]
+        if self.host_pages is not None:
+            mid.host_pages, self.host_pages = self.host_pages[:cut], self.host_pages[cut:]
+        if self.page_hashes is not None:
+            mid.page_hashes, self.page_hashes = self.page_hashes[:cut], self.page_hashes[cut:]
+        mid.backup = self.backup
+        mid.device_pending = self.device_pending
+        mid.host_pending = self.host_pending
+        mid.lock_ref = self.lock_ref
+        mid.host_lock_ref = self.host_lock_ref
+        mid.hit_count = self.hit_count
+        mid.last_access = self.last_access = now
+        self.key = self.key[split_len:]
+        self.parent = mid
+        mid.children[self.key[:page_bytes]] = self
+        mid.num_device_children = 0 if self.device_pages is None else 1
+        return mid
+
     @property
     def evicted(self) -> bool:
         return self.device_pages is None
@@ -136,3 +163,20 @@ class MatchResult:
     @property
     def num_device_pages(self) -> int:
         return len(self.device_pages)
+
+
+@dataclass
+class InsertResult:
+    """What :meth:`HiRadixTree.insert` did with the caller's pages.
+
+    Attributes:
+        duplicate_pages: caller pages for a prefix the tree already held on the device under
+            other pages; the caller frees them.
+        new_nodes: nodes created for the caller's pages, in path order.
+        adopted_nodes: existing host-only nodes that took the caller's pages as their device
+            copy, in path order.
+    """
+
+    duplicate_pages: list[int] = field(default_factory=list)
+    new_nodes: list[TreeNode] = field(default_factory=list)
+    adopted_nodes: list[TreeNode] = field(default_factory=list)

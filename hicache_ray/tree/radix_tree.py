@@ -18,30 +18,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
-from hicache_ray.tree.integrity import check_tree
-from hicache_ray.tree.node import MatchResult, Pending, TreeNode
-from hicache_ray.tree.tokens import TOKEN_BYTES, TokenIds, encode_tokens
+from hicache_ray.tree.eviction import lru_batch
+from hicache_ray.tree.integrity import Tally, check_tree
+from hicache_ray.tree.node import InsertResult, MatchResult, Pending, TreeNode
+from hicache_ray.tree.tokens import TOKEN_BYTES, TokenIds, common_pages, encode_tokens
 
 __all__ = ["HiRadixTree", "InsertResult"]
-
-
-@dataclass
-class InsertResult:
-    """What :meth:`HiRadixTree.insert` did with the caller's pages.
-
-    Attributes:
-        duplicate_pages: caller pages for a prefix the tree already held on the device under
-            other pages; the caller frees them.
-        new_nodes: nodes created for the caller's pages, in path order.
-        adopted_nodes: existing host-only nodes that took the caller's pages as their device
-            copy, in path order.
-    """
-
-    duplicate_pages: list[int] = field(default_factory=list)
-    new_nodes: list[TreeNode] = field(default_factory=list)
-    adopted_nodes: list[TreeNode] = field(default_factory=list)
 
 
 class HiRadixTree:
@@ -79,8 +62,7 @@ class HiRadixTree:
         device_pages: list[int] = []
         pending: list[Pending] = []
         last_device = last_host = best = self.root
-        host_hit = 0
-        on_device = True
+        host_hit, on_device = 0, True
         while pos < n:
             found = self._step(node, key, pos, n, now, live_only=True)
             if found is None:
@@ -103,8 +85,7 @@ class HiRadixTree:
 
     def path(self, node: TreeNode, stop: TreeNode | None = None) -> list[TreeNode]:
         """Nodes from just below ``stop`` (default: the root) down to ``node``, in order."""
-        out = []
-        stop = stop or self.root
+        out, stop = [], stop or self.root
         while node is not stop and node is not self.root:
             out.append(node)
             assert node.parent is not None
@@ -290,27 +271,7 @@ class HiRadixTree:
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
-            # Choose the batch in strict LRU order: a parent whose device children are all
-            # chosen is a leaf from then on and competes at once (it is cleared after them).
-            batch: list[TreeNode] = []
-            leaving: dict[TreeNode, int] = {}  # device children chosen, per parent
-            want = num_pages - len(freed)
-            while heap and want > 0:
-                node = heapq.heappop(heap)[2]
-                left = node.num_device_children - leaving.get(node, 0)
-                if node.lock_ref or node.device_pages is None or left:
-                    continue
-                batch.append(node)
-                want -= len(node.device_pages)
-                parent = node.parent
-                if parent is None or parent is self.root or parent.lock_ref:
-                    continue
-                leaving[parent] = leaving.get(parent, 0) + 1
-                if (
-                    parent.device_pages is not None
-                    and leaving[parent] == parent.num_device_children
-                ):
-                    heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            batch = lru_batch(heap, num_pages - len(freed), self.root)
             if write_back is not None:
                 unwritten = [n for n in batch if n.host_pages is None]
                 if unwritten:
@@ -352,20 +313,12 @@ class HiRadixTree:
             return None
         klen = len(child.key)
         if key[pos : pos + klen] != child.key:
-            klen = self._common_pages(child.key, key, pos) * self._page_bytes
+            klen = common_pages(child.key, key, pos, self._page_bytes) * self._page_bytes
         klen = min(klen, limit - pos)
         child.last_access = now
         if klen < len(child.key):
             child = self._split(child, klen, now)
         return child, klen
-
-    def _common_pages(self, node_key: bytes, key: bytes, pos: int) -> int:
-        page = self._page_bytes
-        i = page  # the first page matched through the child index
-        limit = min(len(node_key), len(key) - pos)
-        while i + page <= limit and node_key[i : i + page] == key[pos + i : pos + i + page]:
-            i += page
-        return i // page
 
     def _add_child(self, parent: TreeNode, key: bytes, now: int) -> TreeNode:
         node = TreeNode(self._next_id, key, parent)
@@ -379,36 +332,12 @@ class HiRadixTree:
     def _split(self, child: TreeNode, split_len: int, now: int) -> TreeNode:
         """Split ``child`` so its first ``split_len`` key bytes become a new parent node;
         both halves are stamped as used at ``now`` (SGLang's RadixCache does the same)."""
-        page = self._page_bytes
         parent = child.parent
         assert parent is not None and 0 < split_len < len(child.key)
-        mid = TreeNode(self._next_id, child.key[:split_len], parent)
+        mid = child.split_off(self._next_id, split_len, self._page_bytes, now)
         self._next_id += 1
         self.num_nodes += 1
-        cut = split_len // page
-        if child.device_pages is not None:
-            mid.device_pages, child.device_pages = (
-                child.device_pages[:cut],
-                child.device_pages[cut:],
-            )
-        if child.host_pages is not None:
-            mid.host_pages, child.host_pages = child.host_pages[:cut], child.host_pages[cut:]
-        if child.page_hashes is not None:
-            mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
-        # What the whole node had, both halves have: copies in flight, backup state, locks
-        # (a lock on the child covers its ancestors), hits.
-        mid.backup = child.backup
-        mid.device_pending = child.device_pending
-        mid.host_pending = child.host_pending
-        mid.lock_ref = child.lock_ref
-        mid.host_lock_ref = child.host_lock_ref
-        mid.hit_count = child.hit_count
-        mid.last_access = child.last_access = now
-        child.key = child.key[split_len:]
-        child.parent = mid
-        mid.children[child.key[:page]] = child
-        mid.num_device_children = 0 if child.device_pages is None else 1
-        parent.children[mid.key[:page]] = mid
+        parent.children[mid.key[: self._page_bytes]] = mid
         self._refresh(mid)
         return mid
 
@@ -464,9 +393,7 @@ class HiRadixTree:
 
     def check_integrity(self) -> None:
         """Assert every invariant in the module docstring and the page counters."""
-        tally = check_tree(self.root, self.page_size)
-        assert tally.nodes == self.num_nodes, "node count"
-        assert tally.device_pages == self.num_device_pages, "device page counter"
-        assert tally.host_pages == self.num_host_pages, "host page counter"
-        assert tally.device_leaves == self._device_leaves, "device leaf set"
-        assert tally.host_leaves == self._host_leaves, "host leaf set"
+        counted = check_tree(self.root, self.page_size)
+        kept = Tally(self.num_nodes, self.num_device_pages, self.num_host_pages)
+        kept.device_leaves, kept.host_leaves = self._device_leaves, self._host_leaves
+        assert counted == kept, f"the tree's counters differ from a walk: {kept} != {counted}"

@@ -45,3 +45,13 @@ def encode_tokens(tokens: TokenIds) -> bytes:
 def decode_tokens(key: bytes) -> list[int]:
     """The token ids of an encoded key."""
     return list(struct.unpack(f"<{len(key) // TOKEN_BYTES}I", key))
+
+
+def common_pages(node_key: bytes, key: bytes, pos: int, page: int) -> int:
+    """Whole pages of ``page`` bytes that ``node_key`` and ``key[pos:]`` share, the first
+    one taken as matched (it is how the child was found)."""
+    i = page
+    limit = min(len(node_key), len(key) - pos)
+    while i + page <= limit and node_key[i : i + page] == key[pos + i : pos + i + page]:
+        i += page
+    return i // page
