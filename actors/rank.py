@@ -1,9 +1,9 @@
 """``RankActor``: one rank of a deployment, a thin wrapper over :class:`RankRuntime`.
 
 Life of an actor: :meth:`RankActor.start_rendezvous` (rank 0: bind the TCP store on port
-0), :meth:`RankActor.join` (every rank at once: the cache-consensus group over every rank,
-its stage's TP group for the model, and with PP a group for the stage pipe; then the
-controller, the model shard, the runtime, and the step loop), :meth:`RankActor.stop`.
+0), :meth:`RankActor.join` (every rank at once: :func:`~hicache_ray.compose.compose_rank`
+builds the groups, the controller, the model shard and the runtime; then the step loop
+starts), :meth:`RankActor.stop`.
 The :class:`~hicache_ray.step_loop.StepLoop` runs :meth:`RankRuntime.step` in lock step with
 the other ranks; rank 0 feeds it the requests that :meth:`RankActor.generate` receives and
 resolves each caller's future with its result. Idle, rank 0 still steps every
@@ -33,13 +33,10 @@ from typing import Any
 import torch
 
 from actors.metrics import StatsPublisher
-from hicache_ray.controller import CacheController, GlooConsensus, start_rendezvous
+from hicache_ray.compose import RankPlace, compose_rank, rank_device
+from hicache_ray.controller import CacheController, start_rendezvous
 from hicache_ray.controller.consensus import Rendezvous
 from hicache_ray.errors import HiCacheError
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ReferenceModel, gloo_tp_all_reduce
-from hicache_ray.model.groups import model_backend, model_group
-from hicache_ray.model.pipe import StageExecutor
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -79,13 +76,8 @@ class RankActor:
         self.config = config
         self.rank = rank
         self.generation = generation
-        self.tp_rank = rank % config.tp_size
-        self.pp_rank = rank // config.tp_size
-        self.device = torch.device(
-            "cuda" if config.gpus_per_rank and torch.cuda.is_available() else "cpu"
-        )
+        self.device = rank_device(config)
         self._rendezvous: Rendezvous | None = None
-        self._groups: list[GlooConsensus] = []
         self.controller: CacheController | None = None
         self.runtime: RankRuntime | None = None
         self._lock = threading.Lock()
@@ -123,73 +115,12 @@ class RankActor:
         await asyncio.get_running_loop().run_in_executor(None, self._join, host, port)
 
     def _join(self, host: str, port: int) -> None:
-        cfg, rank = self.config, self.rank
-
-        def group(name: str, group_rank: int, size: int, timeout_s: float) -> GlooConsensus:
-            made = GlooConsensus(
-                group_rank,
-                size,
-                host,
-                port,
-                timeout_s=timeout_s,
-                name=f"g{self.generation}-{name}",
-                rendezvous=self._rendezvous if rank == 0 else None,
-            )
-            self._groups.append(made)
-            return made
-
-        consensus = group("cache", rank, cfg.world_size, cfg.consensus_timeout_s)
-        shard = Shard(
-            tp_rank=self.tp_rank, tp_size=cfg.tp_size, pp_rank=self.pp_rank, pp_size=cfg.pp_size
-        )
-        # The model's own groups: NCCL on CUDA, gloo on CPU (the consensus stays on gloo).
-        backend = self.model_backend = model_backend(self.device)
-        log.info("rank %d: model collectives on %s (device %s)", rank, backend, self.device)
-
-        def model_group_of(name: str, group_rank: int, size: int) -> Any:
-            return model_group(
-                backend,
-                group_rank,
-                size,
-                host,
-                port,
-                name=f"g{self.generation}-{name}",
-                timeout_s=cfg.collective_timeout_s,
-                rendezvous=self._rendezvous if rank == 0 else None,
-            )
-
-        tp_reduce = None
-        if cfg.tp_size > 1:
-            tp_group = model_group_of(f"tp{self.pp_rank}", self.tp_rank, cfg.tp_size)
-            tp_reduce = gloo_tp_all_reduce(tp_group)
-        pipe_group = None
-        if cfg.world_size > 1:  # hidden states between stages, the sampled tokens to all
-            pipe_group = model_group_of("pipe", rank, cfg.world_size)
-        kv = ShardKV(model=cfg.model.model_kv(), shard=shard, page_size=cfg.cache.memory.page_size)
-        self.controller = CacheController(
-            cfg.cache,
-            kv,
-            consensus=consensus,
-            device=self.device,
-            host_budget_bytes=cfg.host_budget_bytes or None,
-        )
-        model = ReferenceModel(cfg.model, shard, tp_all_reduce=tp_reduce, device=self.device)
-        comm = self.device if backend == "nccl" else torch.device("cpu")
-        executor = StageExecutor(
-            model, rank, cfg.tp_size, cfg.pp_size, pipe_group=pipe_group, comm_device=comm
-        )
-        sched = cfg.scheduler
-        self.runtime = RankRuntime(
-            self.controller,
-            model,
-            executor=executor,
-            reuse_prefix=cfg.reuse_prefix,
-            max_step_tokens=sched.max_step_tokens,
-            max_running=sched.max_running,
-            max_queued=sched.max_queued,
-        )
+        at = RankPlace(self.rank, self.device, (host, port), self._rendezvous, self.generation)
+        composed = compose_rank(self.config, at)
+        self.model_backend = composed.model_backend
+        self.controller, self.runtime = composed.controller, composed.runtime
         self._loop = StepLoop(
-            self._step, pace=self._pace, on_error=self._stopped_by, name=f"hicache-rank{rank}"
+            self._step, pace=self._pace, on_error=self._stopped_by, name=f"hicache-rank{self.rank}"
         )
         if self.controller.prefetch is not None:  # a prefetch's end starts the next step
             self.controller.prefetch.on_progress(self._loop.wake)

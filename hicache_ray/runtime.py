@@ -33,6 +33,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from hicache_ray.config import SchedulerConfig
 from hicache_ray.controller import Arrival, CacheController
 from hicache_ray.errors import CollectiveError
 from hicache_ray.model import ReferenceModel
@@ -84,7 +85,7 @@ class RankRuntime:
             (tests; the last PP stage only).
         reuse_prefix: take cached prefixes; False computes every prompt whole (the no-cache
             baseline of benchmarks; finished requests are still inserted).
-        max_step_tokens, max_running, max_queued: see ``SchedulerConfig``.
+        scheduler: the step token budget, the running and queue bounds (None: defaults).
     """
 
     def __init__(
@@ -95,9 +96,7 @@ class RankRuntime:
         executor: StageExecutor | None = None,
         keep_logits: bool = False,
         reuse_prefix: bool = True,
-        max_step_tokens: int = 2048,
-        max_running: int = 256,
-        max_queued: int = 1024,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         self.ctl = controller
         self.model = model
@@ -110,11 +109,12 @@ class RankRuntime:
         self.page_size = controller.config.page_size
         self.keep_logits = keep_logits
         self.reuse_prefix = reuse_prefix
-        self.max_step_tokens = max_step_tokens
-        self.max_running = max_running
+        sched = scheduler or SchedulerConfig()
+        self.max_step_tokens = sched.max_step_tokens
+        self.max_running = sched.max_running
         self.logits: dict[str, list[torch.Tensor]] = {}
         pool = controller.cache.device_pool
-        self.admission = Admission(pool.num_pages, self.page_size, max_queued)  # rank 0
+        self.admission = Admission(pool.num_pages, self.page_size, sched.max_queued)  # rank 0
         self._aborts: list[str] = []  # rank 0: aborted by callers, for the next step
         self._waiting: dict[str, Req] = {}  # admitted, not started (every rank)
         self._running: list[Req] = []  # started, in start order (every rank)

@@ -6,11 +6,12 @@ from typing import Any
 
 import torch
 
+from hicache_ray.compose import RankPlace, compose_rank
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig
-from hicache_ray.controller import CacheController, GlooConsensus, start_rendezvous
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ReferenceModel, gloo_tp_all_reduce, preset
-from hicache_ray.runtime import GenerateRequest, RankRuntime
+from hicache_ray.controller import start_rendezvous
+from hicache_ray.model import preset
+from hicache_ray.runtime import GenerateRequest
+from hicache_ray.spec import DeploymentConfig
 
 PAGE = 4
 MODEL = preset("tiny")
@@ -19,40 +20,28 @@ TIMEOUT_S = 300.0
 
 def tp_rank_main(rank: int, world: int, ports: Any, out: Any, requests: list[Any]) -> None:
     torch.set_num_threads(1)
-    groups = []
+    rendezvous = None
     if rank == 0:
         rendezvous = start_rendezvous(world, timeout_s=TIMEOUT_S)
         for _ in range(world - 1):
             ports.put(rendezvous.port)
         port = rendezvous.port
-        for name in ("hicache", "model"):
-            groups.append(
-                GlooConsensus(
-                    0,
-                    world,
-                    "127.0.0.1",
-                    port,
-                    timeout_s=TIMEOUT_S,
-                    name=name,
-                    rendezvous=rendezvous,
-                )
-            )
     else:
         port = ports.get(timeout=60)
-        for name in ("hicache", "model"):
-            groups.append(
-                GlooConsensus(rank, world, "127.0.0.1", port, timeout_s=TIMEOUT_S, name=name)
-            )
-    consensus, model_group = groups
-    shard = Shard(tp_rank=rank, tp_size=world)
-    config = CacheConfig(
-        memory=MemoryConfig(page_size=PAGE, device_tokens=256),
-        prefetch=PrefetchConfig(policy="wait_complete"),
+    config = DeploymentConfig(
+        model=MODEL,
+        tp_size=world,
+        cache=CacheConfig(
+            memory=MemoryConfig(page_size=PAGE, device_tokens=256),
+            prefetch=PrefetchConfig(policy="wait_complete"),
+        ),
+        host_budget_bytes=1 << 30,
+        consensus_timeout_s=TIMEOUT_S,
+        collective_timeout_s=TIMEOUT_S,
     )
-    kv = ShardKV(model=MODEL.model_kv(), shard=shard, page_size=PAGE)
-    ctl = CacheController(config, kv, consensus=consensus, host_budget_bytes=1 << 30)
-    model = ReferenceModel(MODEL, shard, tp_all_reduce=gloo_tp_all_reduce(model_group.group))
-    rt = RankRuntime(ctl, model, keep_logits=True)
+    place = RankPlace(rank, meet=("127.0.0.1", port), rendezvous=rendezvous)
+    composed = compose_rank(config, place, keep_logits=True)
+    rt, ctl = composed.runtime, composed.controller
     results = {}
     for rid, tokens, max_new in requests:  # one at a time: the second reuses the first
         if rank == 0:
@@ -70,6 +59,4 @@ def tp_rank_main(rank: int, world: int, ports: Any, out: Any, requests: list[Any
             },
         )
     )
-    ctl.close()
-    for g in groups:
-        g.close()
+    composed.close()

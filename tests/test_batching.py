@@ -7,14 +7,20 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig, WriteConfig
-from hicache_ray.controller import CacheController
-from hicache_ray.keys import plan_shard
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ReferenceModel, preset
+from hicache_ray.compose import compose_rank
+from hicache_ray.config import (
+    CacheConfig,
+    MemoryConfig,
+    PrefetchConfig,
+    SchedulerConfig,
+    StorageConfig,
+    WriteConfig,
+)
+from hicache_ray.model import preset
 from hicache_ray.request import GenerateRequest, RequestResult, SamplingParams
 from hicache_ray.runtime import RankRuntime
-from hicache_ray.storage import MemoryObjects, PagedBackend
+from hicache_ray.spec import DeploymentConfig
+from hicache_ray.storage import MemoryObjects
 from tests.test_runtime import TOL, prompt, reference
 
 PAGE = 4
@@ -35,15 +41,13 @@ def make(
         prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0),
         storage=StorageConfig(backend="memory" if objects else "none", model_id="tiny"),
     )
-    cfg = model if isinstance(model, type(MODEL)) else MODEL
-    kv = ShardKV(model=cfg.model_kv(), shard=Shard(), page_size=PAGE)
-    storage = (
-        PagedBackend("memory", objects, plan_shard(kv, config), scan_on_start=False)
-        if objects is not None
-        else None
+    deployment = DeploymentConfig(
+        model=model if isinstance(model, type(MODEL)) else MODEL,
+        cache=config,
+        scheduler=SchedulerConfig(**scheduler),
+        host_budget_bytes=1 << 30,
     )
-    ctl = CacheController(config, kv, storage=storage, host_budget_bytes=1 << 30)
-    return RankRuntime(ctl, ReferenceModel(cfg), keep_logits=True, **scheduler)
+    return compose_rank(deployment, objects=objects, keep_logits=True).runtime
 
 
 def run_all(rt: RankRuntime, requests: list[GenerateRequest]) -> dict[str, RequestResult]:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache_ray.compose import RankPlace, compose_rank
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
-from hicache_ray.controller import CacheController
-from hicache_ray.keys import plan_shard
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ReferenceModel, preset
+from hicache_ray.model import preset
 from hicache_ray.runtime import GenerateRequest, RankRuntime
-from hicache_ray.storage import MemoryObjects, PagedBackend
+from hicache_ray.spec import DeploymentConfig
+from hicache_ray.storage import MemoryObjects
 from tests.test_runtime import run
 
 pytestmark = pytest.mark.gpu
@@ -27,10 +26,8 @@ def _runtime(objects: MemoryObjects, device: torch.device) -> RankRuntime:
         prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0),
         storage=StorageConfig(backend="memory", model_id="tiny4"),
     )
-    kv = ShardKV(model=MODEL.model_kv(), shard=Shard(), page_size=PAGE)
-    storage = PagedBackend("memory", objects, plan_shard(kv, config), scan_on_start=False)
-    ctl = CacheController(config, kv, storage=storage, device=device, host_budget_bytes=1 << 28)
-    return RankRuntime(ctl, ReferenceModel(MODEL, device=device))
+    deployment = DeploymentConfig(model=MODEL, cache=config, host_budget_bytes=1 << 28)
+    return compose_rank(deployment, RankPlace(device=device), objects=objects).runtime
 
 
 def test_reuse_from_every_tier_on_cuda_equals_recompute() -> None:

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 import torch
 
+from hicache_ray.compose import compose_rank
 from hicache_ray.config import (
     CacheConfig,
     Fault,
@@ -14,12 +15,10 @@ from hicache_ray.config import (
     StorageConfig,
     WriteConfig,
 )
-from hicache_ray.controller import CacheController
-from hicache_ray.keys import plan_shard
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ReferenceModel, preset
+from hicache_ray.model import preset
 from hicache_ray.runtime import GenerateRequest, RankRuntime, RequestResult
-from hicache_ray.storage import FaultyObjects, MemoryObjects, PagedBackend
+from hicache_ray.spec import DeploymentConfig
+from hicache_ray.storage import FaultyObjects, MemoryObjects
 
 PAGE = 4
 TOL = 1e-4  # float32; see README "Reference model"
@@ -37,15 +36,9 @@ def runtime(
         prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0),
         storage=StorageConfig(backend="memory" if objects is not None else "none", model_id="tiny"),
     )
-    kv = ShardKV(model=MODEL.model_kv(), shard=Shard(), page_size=PAGE)
     store = FaultyObjects(objects, faults) if objects is not None and faults else objects
-    storage = (
-        PagedBackend("memory", store, plan_shard(kv, config), scan_on_start=False)
-        if store is not None
-        else None
-    )
-    ctl = CacheController(config, kv, storage=storage, host_budget_bytes=1 << 30)
-    return RankRuntime(ctl, ReferenceModel(MODEL), keep_logits=True)
+    deployment = DeploymentConfig(model=MODEL, cache=config, host_budget_bytes=1 << 30)
+    return compose_rank(deployment, objects=store, keep_logits=True).runtime
 
 
 def run(rt: RankRuntime, request: GenerateRequest) -> RequestResult:

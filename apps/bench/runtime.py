@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from apps.report import Figure, figure, percentile, split_figures
+from hicache_ray.compose import compose_rank
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig, WriteConfig
-from hicache_ray.controller import CacheController
-from hicache_ray.keys import plan_shard
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ModelConfig, ReferenceModel, preset
-from hicache_ray.runtime import GenerateRequest, RankRuntime, RequestResult
-from hicache_ray.storage import MemoryObjects, PagedBackend
+from hicache_ray.model import ModelConfig, preset
+from hicache_ray.runtime import GenerateRequest, RequestResult
+from hicache_ray.spec import DeploymentConfig
+from hicache_ray.storage import MemoryObjects
 
 __all__ = ["RuntimeBenchOptions", "run_runtime_bench"]
 
@@ -69,15 +68,10 @@ class _Deployment:
                 backend="memory" if objects is not None else "none", model_id=model.name
             ),
         )
-        kv = ShardKV(model=model.model_kv(), shard=Shard(), page_size=opts.page_size)
-        storage = (
-            PagedBackend("memory", objects, plan_shard(kv, config), scan_on_start=False)
-            if objects is not None
-            else None
-        )
-        self.ctl = CacheController(config, kv, storage=storage, host_budget_bytes=1 << 34)
-        self.rt = RankRuntime(self.ctl, ReferenceModel(model))
-        self.page_bytes = kv.page_bytes
+        deployment = DeploymentConfig(model=model, cache=config, host_budget_bytes=1 << 34)
+        rank = compose_rank(deployment, objects=objects)
+        self.ctl, self.rt = rank.controller, rank.runtime
+        self.page_bytes = self.ctl.cache.kv.page_bytes
         self._ids = 0
 
     def serve(self, tokens: list[int]) -> RequestResult:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from hicache_ray.compose import compose_rank
 from hicache_ray.config import CacheConfig, MemoryConfig
-from hicache_ray.controller import CacheController
 from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ModelConfig, ReferenceModel
-from hicache_ray.runtime import GenerateRequest, RankRuntime
+from hicache_ray.model import ModelConfig
+from hicache_ray.runtime import GenerateRequest
+from hicache_ray.spec import DeploymentConfig
 
 __all__ = ["recompute"]
 
@@ -17,10 +18,9 @@ def recompute(model: ModelConfig, tokens: list[int], max_new_tokens: int) -> lis
     need = len(tokens) + max_new_tokens
     config = CacheConfig(memory=MemoryConfig(page_size=page, device_tokens=-(-need // page) * page))
     kv = ShardKV(model=model.model_kv(), shard=Shard(), page_size=page)
-    ctl = CacheController(
-        config, kv, host_budget_bytes=4 * need * kv.page_bytes // page + (1 << 20)
-    )
-    runtime = RankRuntime(ctl, ReferenceModel(model))
+    budget = 4 * need * kv.page_bytes // page + (1 << 20)
+    rank = compose_rank(DeploymentConfig(model=model, cache=config, host_budget_bytes=budget))
+    ctl, runtime = rank.controller, rank.runtime
     runtime.submit(GenerateRequest("reference", tokens, max_new_tokens))
     try:
         while True:
