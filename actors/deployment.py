@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
+from actors.forming import SLICE_S, RankSet
 from actors.lifecycle import (
     DeploymentError,
     DeploymentState,
@@ -34,7 +34,8 @@ from actors.lifecycle import (
     is_rank_failure,
     replay,
 )
-from actors.rank_group import check_launch, find_suspects, kill_ranks, start_ranks, stop_ranks
+from actors.loop_thread import LoopThread
+from actors.rank_group import check_launch
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -55,23 +56,15 @@ __all__ = ["Deployment", "DeploymentError", "DeploymentState", "Reform"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02  # how often wait_idle asks rank 0
-_SLICE_S = 0.5  # a wait on the request path checks for shutdown this often
 
 
-class Deployment:
+class Deployment(RankSet):
     """A running deployment; make one with :meth:`launch`, end it with :meth:`shutdown`."""
 
     def __init__(self, config: DeploymentConfig, groups: StageGroups) -> None:
-        self.config = config
-        self.groups = groups
-        self.generation = 0
-        self.state = DeploymentState.FORMING
-        self.reforms: list[Reform] = []  # guarded by _lock
-        self.ranks: list[Any] = []  # guarded by _lock
-        self._broken: str | None = None  # guarded by _lock: why the last re-forming failed
-        self._lock = threading.RLock()  # serializes forming, re-forming and shutdown
-        self._closed = threading.Event()
+        super().__init__(config, groups)
         self._executor = ThreadPoolExecutor(32, thread_name_prefix=f"hicache-{config.name}")
+        self._io = LoopThread(f"hicache-{config.name}-io")  # runs the sync API's requests
 
     @classmethod
     def launch(cls, config: DeploymentConfig) -> Deployment:
@@ -103,6 +96,7 @@ class Deployment:
         except BaseException:
             release_groups(groups)
             deployment._executor.shutdown(wait=False)
+            deployment._io.close()
             raise
         return deployment
 
@@ -120,7 +114,7 @@ class Deployment:
         """
         batch = check_batch(requests)
         results: dict[int, RequestResult] = {}
-        pending: list[tuple[int, GenerateRequest]] = []
+        running: dict[int, Future[RequestResult]] = {}
         rids: set[str] = set()
         for i, raw in enumerate(batch):
             try:
@@ -131,45 +125,14 @@ class Deployment:
                 results[i] = error_result(raw, str(exc))
                 continue
             rids.add(request.rid)
-            pending.append((i, request))
-        cause: BaseException | None = None
-        for attempt in range(self.config.max_retries + 1):
-            if not pending:
-                break
-            try:
-                generation, rank0 = self._serving()
-            except ReformFailed as exc:
-                cause = exc.__cause__ or exc
-                continue
-            refs = [rank0.generate.remote(r) for _, r in pending]
-            failed = []
-            for (i, request), ref in zip(pending, refs, strict=True):
-                try:
-                    results[i] = self._get(ref)
-                except (RayActorError, RayTaskError) as exc:
-                    if not is_rank_failure(exc):
-                        raise
-                    self._check_open()
-                    failed.append((i, request))
-                    cause = exc
-            pending = failed
-            if pending and attempt < self.config.max_retries:
-                try:
-                    self._reform(generation, cause)
-                except ReformFailed as exc:
-                    cause = exc.__cause__ or exc
-            elif pending:
-                self._mark_broken(generation, cause)
-        if pending:
-            raise DeploymentError(
-                f"{len(pending)} request(s) failed after {self.config.max_retries} retries: "
-                f"{describe_failure(cause)}"
-            ) from cause
+            running[i] = self._io.run(self._run(request))
+        for i, future in running.items():
+            results[i] = future.result()
         return [results[i] for i in range(len(batch))]
 
     def submit(self, request: GenerateRequest) -> Future[RequestResult]:
         """Run ``request`` in the background; the future holds its result."""
-        return self._executor.submit(lambda: self.generate([request])[0])
+        return self._io.run(self.generate_async(request))
 
     async def generate_async(self, request: GenerateRequest) -> RequestResult:
         """:meth:`generate` of one request for asyncio callers (a Serve replica)."""
@@ -177,10 +140,14 @@ class Deployment:
             checked = self._check(request)
         except RequestError as exc:
             return error_result(request, str(exc))
+        return await self._run(checked)
+
+    async def _run(self, request: GenerateRequest) -> RequestResult:
+        """A checked request to its result, through the one retry loop (:meth:`_attempts`)."""
         attempt = _Attempt()
         async for rank0 in self._attempts(attempt):
             try:
-                result: RequestResult = await self._get_async(rank0.generate.remote(checked))
+                result: RequestResult = await self._get_async(rank0.generate.remote(request))
                 return result
             except (RayActorError, RayTaskError) as exc:
                 self._rank_failed(attempt, exc)
@@ -279,6 +246,14 @@ class Deployment:
         check_limits(checked, model.vocab_size, capacity, model.max_context)
         return checked
 
+    async def _get_async(self, ref: Any) -> Any:
+        future = asyncio.wrap_future(ref.future())
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=SLICE_S)
+            if done:
+                return future.result()
+            self._check_open()
+
     # ------------------------------------------------------------ inspection
 
     def stats(self) -> DeploymentStats:
@@ -345,145 +320,10 @@ class Deployment:
             self.state = DeploymentState.SHUT_DOWN
             self._stop_ranks()
         release_groups(self.groups)
-        # Calls still queued in the executor run and fail at once with "shut down".
+        # Calls still queued in the executor run and fail at once with "shut down"; so do
+        # the requests on the I/O loop (at their next slice), after which it stops.
         self._executor.shutdown(wait=False)
-
-    # ------------------------------------------------------------- forming
-
-    def _ranks(self) -> list[Any]:
-        with self._lock:
-            return list(self.ranks)
-
-    def _check_open(self) -> None:
-        if self._closed.is_set():
-            raise DeploymentError(f"deployment {self.config.name!r} was shut down")
-
-    def _serving(self) -> tuple[int, Any]:
-        """The generation and rank 0 to send requests to; re-forms a broken deployment.
-
-        Raises:
-            DeploymentError: shut down.
-            ReformFailed: the deployment was broken and re-forming it failed again.
-        """
-        with self._lock:
-            self._check_open()
-            if self.state is DeploymentState.BROKEN:
-                self._reform(self.generation, None)
-            return self.generation, self.ranks[0]
-
-    def _get(self, ref: Any) -> Any:
-        """``ray.get`` in slices that each check for shutdown."""
-        while True:
-            try:
-                return ray.get(ref, timeout=_SLICE_S)
-            except GetTimeoutError:
-                self._check_open()
-
-    async def _get_async(self, ref: Any) -> Any:
-        future = asyncio.wrap_future(ref.future())
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=_SLICE_S)
-            if done:
-                return future.result()
-            self._check_open()
-
-    def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
-        """Results of ``refs``; fails as soon as one fails, on shutdown, or at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        left = list(refs)
-        while left:
-            self._check_open()
-            budget = deadline - time.monotonic()
-            if budget <= 0:
-                raise TimeoutError(f"{len(left)} rank(s) did not answer within {timeout_s:g}s")
-            ready, left = ray.wait(left, num_returns=1, timeout=min(_SLICE_S, budget))
-            for ref in ready:
-                ray.get(ref)  # raises the rank's error at once
-        return ray.get(refs)
-
-    def _form(self) -> None:
-        """Start generation ``self.generation``'s ranks and join them (caller holds the lock)."""
-        cfg = self.config
-        self.ranks = start_ranks(cfg, self.groups, self.generation)
-        timeout = cfg.placement_timeout_s + cfg.consensus_timeout_s
-        try:
-            host, port = self._wait_all([self.ranks[0].start_rendezvous.remote()], timeout)[0]
-            self._wait_all([r.join.remote(host, port) for r in self.ranks], timeout)
-        except Exception as exc:
-            self._kill_ranks()
-            if isinstance(exc, DeploymentError):
-                raise
-            raise DeploymentError(
-                f"deployment {cfg.name!r} (TP={cfg.tp_size}, PP={cfg.pp_size}) did not form: "
-                f"{describe_failure(exc)}"
-            ) from exc
-        log.info("deployment %s formed (generation %d)", cfg.name, self.generation)
-
-    def _reform(self, seen_generation: int, cause: BaseException | None) -> None:
-        """Replace every rank (once per failure, however many callers saw it).
-
-        Raises:
-            DeploymentError: the deployment was shut down.
-            ReformFailed: the new ranks did not form (the deployment is left broken; the
-                next call re-forms again).
-        """
-        with self._lock:
-            self._check_open()
-            if self.generation != seen_generation and self.state is DeploymentState.SERVING:
-                return  # another caller already re-formed after this failure
-            started = time.monotonic()
-            why = describe_failure(cause) if cause is not None else f"broken: {self._broken}"
-            if self.ranks:
-                suspects = find_suspects(self.ranks, self.config.consensus_timeout_s)
-                why += f"; suspects: {', '.join(suspects) or 'none found'}"
-            log.warning("deployment %s: re-forming after %s", self.config.name, why)
-            self.state = DeploymentState.REFORMING
-            self._kill_ranks()
-            self.generation += 1
-            try:
-                self._form()
-            except DeploymentError as exc:
-                seconds = time.monotonic() - started
-                if self._closed.is_set():
-                    raise
-                self.state = DeploymentState.BROKEN
-                self._broken = str(exc)
-                self.reforms.append(
-                    Reform(
-                        generation=self.generation,
-                        cause=why,
-                        seconds=seconds,
-                        ok=False,
-                        error=str(exc),
-                    )
-                )
-                log.error("deployment %s: re-forming failed: %s", self.config.name, exc)
-                raise ReformFailed(str(exc)) from exc
-            self.state = DeploymentState.SERVING
-            self._broken = None
-            self.reforms.append(
-                Reform(generation=self.generation, cause=why, seconds=time.monotonic() - started)
-            )
-
-    def _mark_broken(self, seen_generation: int, cause: BaseException | None) -> None:
-        """A failure no retry is left for: stop the failed ranks now (the next call
-        re-forms), so that nothing is sent to them meanwhile."""
-        with self._lock:
-            if self.generation != seen_generation or self.state is not DeploymentState.SERVING:
-                return
-            self.state = DeploymentState.BROKEN
-            self._broken = describe_failure(cause)
-            log.warning("deployment %s: broken by %s", self.config.name, self._broken)
-            self._kill_ranks()
-
-    def _stop_ranks(self) -> None:
-        """Stop the step loops (failing what is pending), then kill the ranks."""
-        ranks, self.ranks = self.ranks, []
-        stop_ranks(ranks, self.config.name)
-
-    def _kill_ranks(self) -> None:
-        kill_ranks(self.ranks)
-        self.ranks = []
+        self._io.close()
 
 
 class _Attempt:
