@@ -1,7 +1,8 @@
 """The Ray layer (thin hosts of the library): the object-store L3, rank actors, Deployment,
 the Serve app."""
 
-from actors.ray_store import NAMESPACE, RayObjects
+from actors.ray_store import RayObjects
+from actors.shards import NAMESPACE
 from actors.stores import StoreInfo, clear_store, drop_store, list_stores, store_stats
 from hicache_ray.spec import DeploymentConfig
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import ray
 
-from actors.ray_store import NAMESPACE
+from actors.shards import NAMESPACE
 
 __all__ = ["cluster_stats", "object_store_usage"]
 

@@ -71,7 +71,7 @@ def check_launch(config: DeploymentConfig) -> None:
     the config asks for (``ConfigError`` otherwise)."""
     from ray.util import get_current_placement_group
 
-    from actors.ray_store import check_shard_count, existing_shards
+    from actors.shards import check_shard_count, existing_shards
 
     check_name_free(config.name, owns_groups=get_current_placement_group() is None)
     storage = config.cache.storage

@@ -25,138 +25,46 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import ray
 import xxhash
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.l3_shard import PageShard
-from hicache_ray.config import Fault, RayStorageOptions, StorageConfig
+from actors.page_objects import copy_items, group_pages, object_items
+from actors.shards import (
+    candidate_nodes,
+    check_shard_count,
+    existing_shards,
+    is_dropped,
+    mark_dropped,
+    shard_handle,
+)
+from hicache_ray.config import RayStorageOptions, StorageConfig
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import (
-    PREFIX_BYTES,
-    CorruptPage,
     ReadOut,
-    copy_hashed,
-    header_length,
 )
 from hicache_ray.storage.paged import PagedBackend
 from hicache_ray.storage.registry import with_faults
 
-__all__ = [
-    "NAMESPACE",
-    "RayObjects",
-    "check_shard_count",
-    "existing_shards",
-    "mark_dropped",
-    "ray_backend",
-    "shard_name",
-    "shared_storage",
-]
+__all__ = ["RayObjects", "ray_backend"]
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "hicache"  # Ray namespace of the shard actors: every job finds them by name
 # Payload copies (and checksums) of one read run on this many threads; copies are bound
 # by memory bandwidth, checksums by the CPU: three beat two even on two cores here.
 _COPY_THREADS = 3
 _RETRY_S = 0.05  # a restarting shard is asked again this often (control calls only)
-_Shard = ray.remote(PageShard)
 
 
 class _ShardError(OSError):
     """A shard call failed; ``restarting`` when Ray is bringing the shard back."""
 
     restarting = False
-
-
-def shard_name(store: str, index: int) -> str:
-    """The actor name of shard ``index`` of store ``store`` (in namespace ``hicache``)."""
-    return f"hicache-l3-{store}-{index}"
-
-
-def _shard_handle(opts: RayStorageOptions, index: int, num_shards: int) -> Any:
-    # Shard i prefers node i (of the nodes alive when it is made), so a store's objects
-    # spread over the cluster's object stores; soft: a lost node's shard restarts elsewhere.
-    strategy: Any = "DEFAULT"  # never inside the caller's placement group
-    nodes = _candidate_nodes(opts)
-    if nodes and not opts.shard_resources:
-        strategy = NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=True)
-    return _Shard.options(
-        name=shard_name(opts.name, index),
-        namespace=NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        num_cpus=0,
-        max_restarts=-1,  # a crashed shard comes back (empty: its objects died with it)
-        max_concurrency=8,
-        scheduling_strategy=strategy,
-        resources=dict(opts.shard_resources),
-    ).remote(num_shards, opts.capacity_bytes // num_shards)
-
-
-def _candidate_nodes(opts: RayStorageOptions) -> list[str]:
-    """Alive nodes that offer the shards' resources, by node id."""
-    alive = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
-    fit = [
-        n
-        for n in alive
-        if all(n["Resources"].get(r, 0) >= a for r, a in opts.shard_resources.items())
-    ]
-    return sorted(str(n["NodeID"]) for n in fit)
-
-
-_DROPPED = b"hicache/dropped/"  # GCS key prefix of dropped stores (internal KV)
-
-
-def mark_dropped(name: str, dropped: bool) -> None:
-    """Record (or clear) that store ``name`` was dropped: clients that lose a shard of a
-    dropped store do not make it again."""
-    from ray.experimental import internal_kv
-
-    key = _DROPPED + name.encode()
-    if dropped:
-        internal_kv._internal_kv_put(key, b"1", overwrite=True, namespace=NAMESPACE)
-    else:
-        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
-
-
-def _is_dropped(name: str) -> bool:
-    from ray.experimental import internal_kv
-
-    return internal_kv._internal_kv_get(_DROPPED + name.encode(), namespace=NAMESPACE) is not None
-
-
-def existing_shards(name: str, timeout_s: float) -> int | None:
-    """The shard count of store ``name`` as its shard 0 reports it within ``timeout_s``;
-    None: no such store, or it does not answer (dying, restarting or still starting)."""
-    try:
-        shard = ray.get_actor(shard_name(name, 0), namespace=NAMESPACE)
-    except ValueError:
-        return None
-    try:
-        found = cast(dict[str, int], ray.get(shard.describe.remote(), timeout=timeout_s))
-    except RayError:
-        return None
-    return found["num_shards"]
-
-
-def check_shard_count(name: str, wanted: int, found: int | None) -> None:
-    """Raise ``ConfigError`` when store ``name`` has ``found`` shards and ``wanted`` is
-    another count (0 joins the store's own count; None: the store is not known)."""
-    if found is not None and wanted and found != wanted:
-        raise ConfigError(
-            "ray.num_shards",
-            wanted,
-            f"store {name!r} was created with {found} shards",
-            "use the store's shard count (or 0 to join it), or another ray.name",
-        )
 
 
 class RayObjects(ObjectStore):
@@ -179,8 +87,8 @@ class RayObjects(ObjectStore):
         existing = existing_shards(options.name, options.timeout_s)
         check_shard_count(options.name, options.num_shards, existing)
         # 0: join the store's own count, or make one shard per node that can hold one
-        self.num_shards = options.num_shards or existing or max(1, len(_candidate_nodes(options)))
-        self._shards = [_shard_handle(options, i, self.num_shards) for i in range(self.num_shards)]
+        self.num_shards = options.num_shards or existing or max(1, len(candidate_nodes(options)))
+        self._shards = [shard_handle(options, i, self.num_shards) for i in range(self.num_shards)]
         self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-ray-copy")
         # NOTE: a store that is slow to start (new shard processes on a loaded machine) or
         # restarting is not an error to whoever opens it: its batches are misses until
@@ -250,22 +158,14 @@ class RayObjects(ObjectStore):
     ) -> list[Exception | None]:
         self._ready_or_miss()
         errors: list[Exception | None] = [None] * len(keys)
-        chunks = []  # (shard, key indices) of at most ~object_bytes each
-        for shard, idx in self._by_shard(keys).items():
-            chunk: list[int] = []
-            size = 0
-            for i in idx:
-                if chunk and size + payloads[i].nbytes > self.options.object_bytes:
-                    chunks.append((shard, chunk))
-                    chunk, size = [], 0
-                chunk.append(i)
-                size += payloads[i].nbytes
-            chunks.append((shard, chunk))
+        chunks = [
+            (shard, chunk)
+            for shard, idx in self._by_shard(keys).items()
+            for chunk in group_pages(idx, payloads, self.options.object_bytes)
+        ]
         calls = []
         for shard, idx in chunks:
-            items: list[Any] = []
-            for i in idx:
-                items += [headers[i], np.frombuffer(payloads[i], dtype=np.uint8)]
+            items = object_items(idx, headers, payloads)
             # NOTE: one copy here, into an object this process owns; the shard serves it at
             # once and makes its own copy in the background (see ``l3_shard``), so a put
             # costs the writer one copy, not two.
@@ -324,7 +224,7 @@ class RayObjects(ObjectStore):
                 for part in range(_COPY_THREADS):
                     share = todo[part::_COPY_THREADS]
                     if share:
-                        jobs.append(self._copiers.submit(_copy_items, share, copied))
+                        jobs.append(self._copiers.submit(copy_items, share, copied))
             for job in jobs:
                 job.result()
             outcomes: list[ReadOutcome] = []
@@ -417,9 +317,9 @@ class RayObjects(ObjectStore):
 
     def _failed(self, shard: int, exc: Exception) -> OSError:
         restarting = isinstance(exc, ActorUnavailableError)
-        if isinstance(exc, RayActorError) and not restarting and not _is_dropped(self.options.name):
+        if isinstance(exc, RayActorError) and not restarting and not is_dropped(self.options.name):
             with self._lock:  # gone for good: find or make it again (unless dropped)
-                self._shards[shard] = _shard_handle(self.options, shard, self.num_shards)
+                self._shards[shard] = shard_handle(self.options, shard, self.num_shards)
         failure = _ShardError(
             f"store {self.options.name!r} shard {shard}: {type(exc).__name__}: {exc}"
         )
@@ -460,45 +360,6 @@ class RayObjects(ObjectStore):
 def _spread(answer: Any, n: int) -> list[Any]:
     """A shard's per-key answer, or its failure repeated for each of its keys."""
     return [answer] * n if isinstance(answer, Exception) else list(answer)
-
-
-def _copy_items(
-    todo: list[tuple[int, list[Any], int, ReadOut]], into: dict[int, ReadOutcome]
-) -> None:
-    """On a copy thread: each page's outcome into ``into`` (a dict: one writer per key)."""
-    for i, obj, item, out in todo:
-        into[i] = _copy_item(obj, item, out)
-
-
-def _copy_item(obj: list[Any], item: int, out: ReadOut) -> ReadOutcome:
-    """Header body and payload checksum of one stored page, its payload copied into ``out``."""
-    framed, payload = obj[item], obj[item + 1]
-    try:
-        start = PREFIX_BYTES + header_length(framed[:PREFIX_BYTES])
-        if payload.nbytes != out.nbytes:
-            raise CorruptPage(f"payload of {payload.nbytes} bytes, expected {out.nbytes}")
-    except CorruptPage as exc:
-        return exc
-    return bytes(framed[PREFIX_BYTES:start]), copy_hashed(memoryview(payload), out)
-
-
-def shared_storage(
-    model_id: str,
-    options: RayStorageOptions,
-    *,
-    faults: tuple[Fault, ...] = (),
-    fault_seed: int = 0,
-) -> StorageConfig:
-    """A ``ray`` L3 that deployments of TP 1, 2 and 4 share (unified keys, one KV head per
-    object for 4-head models), with optional fault-injection rules."""
-    return StorageConfig(
-        backend="ray",
-        model_id=model_id,
-        share_tp=(1, 2, 4),
-        ray=options,
-        faults=faults,
-        fault_seed=fault_seed,
-    )
 
 
 def ray_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:

@@ -17,7 +17,8 @@ from typing import Any, cast
 import msgspec
 import ray
 
-from actors.ray_store import NAMESPACE, RayObjects, mark_dropped, shard_name
+from actors.ray_store import RayObjects
+from actors.shards import NAMESPACE, mark_dropped, shard_name
 from hicache_ray.config import RayStorageOptions
 
 __all__ = [

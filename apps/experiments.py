@@ -24,9 +24,17 @@ from apps.multiturn.exact import recompute
 from apps.multiturn.options import ExperimentOptions
 from apps.multiturn.report import Series, figures, table
 from apps.report import Figure, figure
+from hicache_ray.config import Fault, RayStorageOptions, StorageConfig
 from hicache_ray.model import preset
 
-__all__ = ["DEMO_SHAPES", "ExperimentOptions", "embedded_ray", "run_demo", "run_multiturn_bench"]
+__all__ = [
+    "DEMO_SHAPES",
+    "ExperimentOptions",
+    "embedded_ray",
+    "run_demo",
+    "run_multiturn_bench",
+    "shared_storage",
+]
 
 
 @contextlib.contextmanager
@@ -51,6 +59,25 @@ def embedded_ray(num_cpus: int) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def shared_storage(
+    model_id: str,
+    options: RayStorageOptions,
+    *,
+    faults: tuple[Fault, ...] = (),
+    fault_seed: int = 0,
+) -> StorageConfig:
+    """A ``ray`` L3 that deployments of TP 1, 2 and 4 share (unified keys, one KV head per
+    object for 4-head models), with optional fault-injection rules."""
+    return StorageConfig(
+        backend="ray",
+        model_id=model_id,
+        share_tp=(1, 2, 4),
+        ray=options,
+        faults=faults,
+        fault_seed=fault_seed,
+    )
 
 
 def _capacities(deployment: Deployment) -> tuple[int, int]:

@@ -33,10 +33,10 @@ import ray
 import torch
 
 from actors.deployment import Deployment, DeploymentError
-from actors.ray_store import NAMESPACE, shared_storage
+from actors.shards import NAMESPACE
 from actors.stores import drop_store, store_stats
 from apps.cli_args import FAULT_SCENARIOS
-from apps.experiments import embedded_ray
+from apps.experiments import embedded_ray, shared_storage
 from apps.multiturn.exact import recompute
 from apps.report import Figure, figure
 from hicache_ray.config import (

@@ -26,9 +26,8 @@ import ray
 
 from actors.deployment import Deployment
 from actors.inspect import object_store_usage
-from actors.ray_store import shared_storage
 from actors.stores import drop_store
-from apps.experiments import embedded_ray
+from apps.experiments import embedded_ray, shared_storage
 from apps.multiturn.exact import recompute
 from apps.report import Figure, figure
 from hicache_ray.config import (

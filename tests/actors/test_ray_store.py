@@ -17,6 +17,7 @@ from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_ke
 
 ray = pytest.importorskip("ray")
 ray_store = pytest.importorskip("actors.ray_store")
+shards = pytest.importorskip("actors.shards")
 stores = pytest.importorskip("actors.stores")
 
 _names = itertools.count()
@@ -160,7 +161,7 @@ def test_a_killed_shard_reads_as_misses_then_serves_again(options) -> None:
     keys, pages = page_keys(plan, 8), make_pages(plan, 8)
     assert backend.put(keys, pages) == 8
     for i in range(options.num_shards):
-        shard = ray.get_actor(f"hicache-l3-{options.name}-{i}", namespace=ray_store.NAMESPACE)
+        shard = ray.get_actor(f"hicache-l3-{options.name}-{i}", namespace=shards.NAMESPACE)
         ray.kill(shard, no_restart=False)  # restarts empty: its objects died with it
     # The kill lands soon, not at once; from then on reads are misses, never errors.
     wait_until(lambda: backend.get(keys, empty_buffers(plan, 8)) == 0, what="the kill")
@@ -175,7 +176,7 @@ def test_a_shard_removed_for_good_is_made_again(options) -> None:
     keys, pages = page_keys(plan, 4), make_pages(plan, 4)
     backend.put(keys, pages)
     for i in range(options.num_shards):
-        shard = ray.get_actor(f"hicache-l3-{options.name}-{i}", namespace=ray_store.NAMESPACE)
+        shard = ray.get_actor(f"hicache-l3-{options.name}-{i}", namespace=shards.NAMESPACE)
         ray.kill(shard, no_restart=True)
     wait_until(lambda: backend.exists(keys) == 0, what="the kill")  # the calls fail: a miss
     assert backend.stats().get_failures >= 1

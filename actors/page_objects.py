@@ -1,0 +1,67 @@
+"""How the ``ray`` store lays pages out in Ray objects: the pages of one put, grouped per
+shard into objects of about ``object_bytes``, each a list alternating a page's framed
+header (bytes) and its payload (a uint8 array); and reading one page back out of them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache_ray.storage.objects import ReadOutcome
+from hicache_ray.storage.page_format import (
+    PREFIX_BYTES,
+    CorruptPage,
+    ReadOut,
+    copy_hashed,
+    header_length,
+)
+
+__all__ = ["copy_item", "copy_items", "group_pages", "object_items"]
+
+
+def group_pages(
+    idx: list[int], payloads: Sequence[memoryview], object_bytes: int
+) -> Iterator[list[int]]:
+    """The pages ``idx`` (in order) in groups of at most ~``object_bytes`` of payload (a page
+    larger than that is a group alone)."""
+    chunk: list[int] = []
+    size = 0
+    for i in idx:
+        if chunk and size + payloads[i].nbytes > object_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(i)
+        size += payloads[i].nbytes
+    yield chunk
+
+
+def object_items(
+    idx: list[int], headers: Sequence[bytes], payloads: Sequence[memoryview]
+) -> list[Any]:
+    """The contents of one object holding the pages ``idx``."""
+    items: list[Any] = []
+    for i in idx:
+        items += [headers[i], np.frombuffer(payloads[i], dtype=np.uint8)]
+    return items
+
+
+def copy_items(
+    todo: list[tuple[int, list[Any], int, ReadOut]], into: dict[int, ReadOutcome]
+) -> None:
+    """On a copy thread: each page's outcome into ``into`` (a dict: one writer per key)."""
+    for i, obj, item, out in todo:
+        into[i] = copy_item(obj, item, out)
+
+
+def copy_item(obj: list[Any], item: int, out: ReadOut) -> ReadOutcome:
+    """Header body and payload checksum of one stored page, its payload copied into ``out``."""
+    framed, payload = obj[item], obj[item + 1]
+    try:
+        start = PREFIX_BYTES + header_length(framed[:PREFIX_BYTES])
+        if payload.nbytes != out.nbytes:
+            raise CorruptPage(f"payload of {payload.nbytes} bytes, expected {out.nbytes}")
+    except CorruptPage as exc:
+        return exc
+    return bytes(framed[PREFIX_BYTES:start]), copy_hashed(memoryview(payload), out)
