@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from apps.bench.storage import _ensure_ray, _RawRay, warm_object_store
+from apps.bench.storage_ceilings import RawRay, ensure_ray, warm_object_store
 from apps.report import Figure, figure
 from hicache_ray.config import RayStorageOptions
 from hicache_ray.integrations.host_layouts import HostGeometry, buffer_shape
@@ -97,12 +97,12 @@ class _Config:
 def run_sglang_bench(opts: SGLangBenchOptions, log: Callable[[str], None] = print) -> list[Figure]:
     from hicache_ray.integrations.sglang import HiCacheRayStorage  # needs sglang
 
-    started = _ensure_ray()
+    started = ensure_ray()
     store = f"bench-sglang-{os.getpid()}"
     pool = _HostPool(opts)
     backend = HiCacheRayStorage(_Config(opts, store))
     backend.register_mem_pool_host(pool)
-    raw = _RawRay(RayStorageOptions().object_bytes)  # the store's default object size
+    raw = RawRay(RayStorageOptions().object_bytes)  # the store's default object size
     try:
         return _figures(opts, backend, pool, raw, log)
     finally:
@@ -124,7 +124,7 @@ class _RawPlaced:
     objects of the store's size; a get fetches objects another process put and copies each
     into its place in the pool. No keys, index, checksum or verification."""
 
-    def __init__(self, raw: _RawRay, shapes: list[tuple[int, ...]]) -> None:
+    def __init__(self, raw: RawRay, shapes: list[tuple[int, ...]]) -> None:
         self.raw = raw
         self.staging = [torch.empty(shape, dtype=torch.bfloat16) for shape in shapes]
         self.payloads = [byte_view(t) for t in self.staging]
@@ -147,7 +147,7 @@ def _figures(
     opts: SGLangBenchOptions,
     backend: Any,
     pool: _HostPool,
-    raw: _RawRay,
+    raw: RawRay,
     log: Callable[[str], None],
 ) -> list[Figure]:
     n, p = opts.batch_pages, opts.page_size

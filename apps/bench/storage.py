@@ -19,13 +19,20 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from apps.bench.storage_ceilings import (
+    RawFiles,
+    RawMemory,
+    RawRay,
+    ensure_ray,
+    warm_object_store,
+)
 from apps.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.config import (
     CacheConfig,
@@ -37,7 +44,6 @@ from hicache_ray.config import (
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
 from hicache_ray.memory.host_pool import byte_view
 from hicache_ray.storage import StorageBackend, create_backend
-from hicache_ray.storage.file_objects import open_filesystem
 
 __all__ = ["StorageBenchOptions", "run_storage_bench"]
 
@@ -83,119 +89,22 @@ def _plan(opts: StorageBenchOptions, config: StorageConfig) -> ShardPlan:
     return plan_shard(kv, CacheConfig(memory=memory, storage=config))
 
 
-class _RawFiles:
-    """The ceiling: plain pyarrow files of the same payloads."""
+@dataclass
+class _Samples:
+    """Timings of one backend's run, each beside its ceiling."""
 
-    def __init__(self, root: str) -> None:
-        self.fs, base = open_filesystem(root)
-        self.base = f"{base}/raw-ceiling"
-        self.fs.create_dir(self.base, recursive=True)
-
-    def write(self, names: list[str], payloads: list[memoryview]) -> None:
-        for name, payload in zip(names, payloads, strict=True):
-            with self.fs.open_output_stream(f"{self.base}/{name}") as out:
-                out.write(payload)
-
-    def read(self, names: list[str], outs: list[memoryview]) -> None:
-        for name, out in zip(names, outs, strict=True):
-            with self.fs.open_input_file(f"{self.base}/{name}") as f:
-                f.readinto(out)
-
-    def clear(self) -> None:
-        self.fs.delete_dir_contents(self.base, missing_dir_ok=True)
+    times: dict[str, list[float]] = field(
+        default_factory=lambda: {k: [] for k in ("raw_put", "put", "raw_get", "get")}
+    )
+    exists_us: list[float] = field(default_factory=list)
+    cold_us: list[float] = field(default_factory=list)  # ray: exists with nothing cached
+    trip_us: list[float] = field(default_factory=list)  # ray: one shard round trip
 
 
-class _RawMemory:
-    """The ceiling of the memory backend: one copy of the same bytes in, one out."""
-
-    def __init__(self) -> None:
-        self.stored: dict[str, np.ndarray] = {}
-
-    def write(self, names: list[str], payloads: list[memoryview]) -> None:
-        for name, payload in zip(names, payloads, strict=True):
-            self.stored[name] = np.frombuffer(payload, dtype=np.uint8).copy()
-
-    def read(self, names: list[str], outs: list[memoryview]) -> None:
-        for name, out in zip(names, outs, strict=True):
-            np.copyto(np.frombuffer(out, dtype=np.uint8), self.stored[name])
-
-    def clear(self) -> None:
-        self.stored.clear()
-
-
-class _RawRay:
-    """The ceiling of the ray backend: the same payloads in objects of the same size.
-
-    ``write`` is ``ray.put`` in this process. ``read`` is ``ray.get`` plus a one-thread
-    copy of objects another process put (any L3 read crosses processes: mapping another
-    process's fresh object costs page faults that re-reading one's own does not), made
-    before the timed read by a helper actor that owns them.
-    """
-
-    def __init__(self, object_bytes: int) -> None:
-        import ray
-
-        self.ray = ray
-        self.object_bytes = object_bytes
-        self.stored: dict[str, tuple[object, int]] = {}
-        self.mine: list[object] = []
-        self.helper: Any = ray.remote(num_cpus=0)(_ForeignPuts).remote()
-
-    def _groups(self, payloads: list[memoryview]) -> list[list[int]]:
-        groups: list[list[int]] = [[]]
-        for i, payload in enumerate(payloads):
-            size = sum(payloads[j].nbytes for j in groups[-1])
-            if groups[-1] and size + payload.nbytes > self.object_bytes:
-                groups.append([])
-            groups[-1].append(i)
-        return groups
-
-    def write(self, names: list[str], payloads: list[memoryview]) -> None:
-        for group in self._groups(payloads):
-            self.mine.append(
-                self.ray.put([np.frombuffer(payloads[j], dtype=np.uint8) for j in group])
-            )
-
-    def stage(self, names: list[str], payloads: list[memoryview]) -> None:
-        """Objects of the same payloads put by the helper (untimed)."""
-        groups = self._groups(payloads)
-        arrays = [[np.frombuffer(payloads[j], dtype=np.uint8) for j in g] for g in groups]
-        refs = self.ray.get(self.helper.put.remote(arrays))[0]
-        for group, ref in zip(groups, refs, strict=True):
-            self.stored.update((names[j], (ref, k)) for k, j in enumerate(group))
-
-    def read(self, names: list[str], outs: list[memoryview]) -> None:
-        for payload, out in zip(self.fetch(names), outs, strict=True):
-            np.copyto(np.frombuffer(out, dtype=np.uint8), payload)
-
-    def fetch(self, names: list[str]) -> list[np.ndarray]:
-        """The staged payloads of ``names`` (``ray.get`` of their objects, zero-copy)."""
-        refs = list({id(self.stored[n][0]): self.stored[n][0] for n in names}.values())
-        objects: dict[int, list[np.ndarray]] = dict(
-            zip(map(id, refs), self.ray.get(refs), strict=True)  # type: ignore[arg-type]
-        )
-        return [objects[id(self.stored[n][0])][self.stored[n][1]] for n in names]
-
-    def clear(self) -> None:
-        self.stored.clear()
-        self.mine.clear()
-        self.ray.get(self.helper.clear.remote())
-
-
-class _ForeignPuts:
-    """The helper actor of :class:`_RawRay`: puts (and so owns) objects for the driver."""
-
-    def __init__(self) -> None:
-        self.refs: list[object] = []
-
-    def put(self, groups: list[list[np.ndarray]]) -> list[list[object]]:
-        import ray
-
-        self.refs = [ray.put(group) for group in groups]
-        return [self.refs]  # nested: the driver gets the references, not the values
-
-    def clear(self) -> None:
-        self.refs = []
+def _raw_store(name: str, config: StorageConfig, root: str) -> Any:
+    if name == "file":
+        return RawFiles(root)
+    return RawRay(config.ray.object_bytes) if name == "ray" else RawMemory()
 
 
 def _backend_figures(
@@ -212,92 +121,99 @@ def _backend_figures(
     gen = torch.Generator().manual_seed(0)
     pages = [torch.randn(shape, generator=gen).to(torch.float16) for _ in range(n)]
     outs = [torch.empty_like(p).fill_(0) for p in pages]
-    payloads = [byte_view(p) for p in pages]
-    out_views = [byte_view(o) for o in outs]
-    nbytes = sum(p.nbytes for p in payloads)
-    raw = (
-        _RawFiles(root)
-        if name == "file"
-        else _RawRay(config.ray.object_bytes)
-        if name == "ray"
-        else _RawMemory()
-    )
+    nbytes = sum(p.nbytes for p in pages)
+    raw = _raw_store(name, config, root)
     backend: StorageBackend = create_backend(config, plan)
     if name == "ray":
         warm_object_store(8 * nbytes)
     log(f"storage {name}: {opts.repeats} x {n} pages of {nbytes / n / 2**20:.2f} MiB")
-    samples: dict[str, list[float]] = {k: [] for k in ("raw_put", "put", "raw_get", "get")}
-    exists_us: list[float] = []
-    cold_us: list[float] = []  # ray: exists with nothing cached, beside one shard round trip
-    trip_us: list[float] = []
+    found = _Samples()
     try:
         for rep in range(opts.repeats + 1):  # repeat 0 warms up
-            rec = samples if rep else {k: [] for k in samples}
-            tokens = [rep * 10_000_000 + i for i in range(n * opts.page_size)]
-            keys = [plan.keys(h)[0] for h in page_hashes(tokens, opts.page_size)]
-            names = [f"{rep}-{i}" for i in range(n)]
-            time_into(partial(raw.write, names, payloads), rec["raw_put"])
-            _timed_batch(backend.put, keys, pages, rec["put"])
-            if isinstance(raw, _RawRay):
-                raw.stage(names, payloads)
-                backend.flush()  # the shards' own copies are made: reads see them
-            time_into(partial(raw.read, names, out_views), rec["raw_get"])
-            _timed_batch(backend.get, keys, outs, rec["get"])
-            if rep:
-                for _ in range(opts.exists_repeats):
-                    start = time.perf_counter()
-                    _check(backend.exists(keys[:128]), min(n, 128))
-                    exists_us.append((time.perf_counter() - start) * 1e6)
-                if name == "ray":
-                    _cold_exists(backend, plan, keys[:128], opts.exists_repeats, cold_us, trip_us)
-            assert all(torch.equal(a, b) for a, b in zip(pages, outs, strict=True))
-            backend.delete(keys)
-            raw.clear()
+            rec = found if rep else _Samples()
+            _repeat(rep, name, opts, backend, plan, raw, pages, outs, rec)
     finally:
         backend.close()
         raw.clear()
+    return _figures_of(name, found, nbytes)
 
+
+def _repeat(
+    rep: int,
+    name: str,
+    opts: StorageBenchOptions,
+    backend: StorageBackend,
+    plan: ShardPlan,
+    raw: Any,
+    pages: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    rec: _Samples,
+) -> None:
+    """One repeat: raw and backend puts and gets of the same pages, then exists lookups."""
+    n = len(pages)
+    payloads, out_views = [byte_view(p) for p in pages], [byte_view(o) for o in outs]
+    tokens = [rep * 10_000_000 + i for i in range(n * opts.page_size)]
+    keys = [plan.keys(h)[0] for h in page_hashes(tokens, opts.page_size)]
+    names = [f"{rep}-{i}" for i in range(n)]
+    time_into(partial(raw.write, names, payloads), rec.times["raw_put"])
+    _timed_batch(backend.put, keys, pages, rec.times["put"])
+    if isinstance(raw, RawRay):
+        raw.stage(names, payloads)
+        backend.flush()  # the shards' own copies are made: reads see them
+    time_into(partial(raw.read, names, out_views), rec.times["raw_get"])
+    _timed_batch(backend.get, keys, outs, rec.times["get"])
+    for _ in range(opts.exists_repeats):
+        start = time.perf_counter()
+        _check(backend.exists(keys[:128]), min(n, 128))
+        rec.exists_us.append((time.perf_counter() - start) * 1e6)
+    if name == "ray":
+        _cold_exists(backend, plan, keys[:128], opts.exists_repeats, rec.cold_us, rec.trip_us)
+    assert all(torch.equal(a, b) for a, b in zip(pages, outs, strict=True))
+    backend.delete(keys)
+    raw.clear()
+
+
+def _figures_of(name: str, found: _Samples, nbytes: int) -> list[Figure]:
     def gbps(key: str) -> float:
-        return nbytes / statistics.median(samples[key]) / 1e9
+        return nbytes / statistics.median(found.times[key]) / 1e9
 
-    get_target = {"file": 0.8, "ray": 0.8}.get(name)
-    put_target = {"file": 0.8, "ray": 0.45}.get(name)
-    cold = []
-    if cold_us:
-        cold = [
-            figure(
-                f"storage.{name}.exists128_cold_us",
-                statistics.median(cold_us),
-                "us",
-                ceiling=statistics.median(trip_us),
-                target=1.5,
-                better="lower",
-            )
-        ]
-    return [
+    figures = [
         figure(
             f"storage.{name}.put.gbps",
             gbps("put"),
             "GB/s",
             ceiling=gbps("raw_put"),
-            target=put_target,
+            target={"file": 0.8, "ray": 0.45}.get(name),
         ),
         figure(
             f"storage.{name}.get.gbps",
             gbps("get"),
             "GB/s",
             ceiling=gbps("raw_get"),
-            target=get_target,
+            target={"file": 0.8, "ray": 0.8}.get(name),
         ),
         figure(
             f"storage.{name}.exists128_us",
-            statistics.median(exists_us),
+            statistics.median(found.exists_us),
             "us",
             target={"file": 100, "ray": 200}.get(name),
             better="lower",
         ),
-        *cold,
     ]
+    if found.cold_us:
+        cold = statistics.median(found.cold_us)
+        trip = statistics.median(found.trip_us)
+        figures.append(
+            figure(
+                f"storage.{name}.exists128_cold_us",
+                cold,
+                "us",
+                ceiling=trip,
+                target=1.5,
+                better="lower",
+            )
+        )
+    return figures
 
 
 def _cold_exists(
@@ -349,7 +265,7 @@ def run_storage_bench(
     opts: StorageBenchOptions, log: Callable[[str], None] = print
 ) -> list[Figure]:
     figures = [hash_figure(opts)]
-    started_ray = "ray" in opts.backends and _ensure_ray()
+    started_ray = "ray" in opts.backends and ensure_ray()
     try:
         for name in opts.backends:
             figures += _run_backend(name, opts, log)
@@ -359,28 +275,6 @@ def run_storage_bench(
 
             ray.shutdown()
     return figures
-
-
-def warm_object_store(nbytes: int) -> None:
-    """Put and free ``nbytes`` once before timing: a fresh node's shared memory costs a page
-    fault per page on first touch (a one-time cost of the node, not of a put), and whichever
-    run touched it first would pay for both."""
-    import ray
-
-    chunk = np.ones(32 << 20, dtype=np.uint8)
-    refs = [ray.put(chunk) for _ in range(max(1, nbytes // chunk.nbytes))]
-    del refs
-
-
-def _ensure_ray() -> bool:
-    """Start a local Ray for the ``ray`` backend if none is running (returns whether this
-    call started it)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    return True
 
 
 def _run_backend(name: str, opts: StorageBenchOptions, log: Callable[[str], None]) -> list[Figure]:
