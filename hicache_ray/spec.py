@@ -69,6 +69,15 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.model, str):  # a preset name or a checkpoint directory
             msgspec.structs.force_setattr(self, "model", resolve_model(self.model))
+        self._name_checkpoint_pages()
+        check_types(self)
+        if not is_plain_name(self.name):
+            raise ConfigError("name", self.name, "not a plain name", "use letters, digits, - and _")
+        self._check_shape()
+        self._check_limits()
+        self._check_fits()
+
+    def _name_checkpoint_pages(self) -> None:
         storage = self.cache.storage
         if storage.backend != "none" and self.model.checkpoint and not storage.model_revision:
             # L3 pages of a checkpoint are named by it (its directory name unless a model id
@@ -82,25 +91,21 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 self, "cache", msgspec.structs.replace(self.cache, storage=named)
             )
         self.cache.storage.check_model_id()
-        check_types(self)
-        if not is_plain_name(self.name):
-            raise ConfigError("name", self.name, "not a plain name", "use letters, digits, - and _")
+
+    def _check_shape(self) -> None:
         check_positive("tp_size", self.tp_size)
         check_positive("pp_size", self.pp_size)
-        if self.model.num_kv_heads % self.tp_size:
-            raise ConfigError(
-                "tp_size",
-                self.tp_size,
-                f"does not divide the model's {self.model.num_kv_heads} KV heads",
-                "pick a TP size that divides the KV heads",
-            )
-        if self.model.intermediate_size % self.tp_size:
-            raise ConfigError(
-                "tp_size",
-                self.tp_size,
-                f"does not divide the model's intermediate_size={self.model.intermediate_size}",
-                "pick a TP size that divides the MLP width",
-            )
+        for what, size in (
+            ("KV heads", self.model.num_kv_heads),
+            ("intermediate_size", self.model.intermediate_size),
+        ):
+            if size % self.tp_size:
+                raise ConfigError(
+                    "tp_size",
+                    self.tp_size,
+                    f"does not divide the model's {what} ({size})",
+                    "pick a TP size that divides the KV heads and the MLP width",
+                )
         if self.model.num_layers < self.pp_size:
             raise ConfigError(
                 "pp_size",
@@ -108,6 +113,8 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"exceeds the model's {self.model.num_layers} layers",
                 "use at most one stage per layer",
             )
+
+    def _check_limits(self) -> None:
         check_positive("cpus_per_rank", self.cpus_per_rank)
         check_not_negative("gpus_per_rank", self.gpus_per_rank)
         check_custom_resources(
@@ -128,23 +135,24 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_retries < 0:
             raise ConfigError("max_retries", self.max_retries, "negative", "use 0 for none")
+
+    def _check_fits(self) -> None:
+        """Refused here, before anything is placed: pools over the host budget, a key grid
+        the model cannot tile."""
+        model_kv, page = self.model.model_kv(), self.cache.page_size
         if self.host_budget_bytes:
-            # The pools of the stage with the most layers must fit the budget (a CPU
-            # device's pool counts too): refused here, before anything is placed.
+            # The pools of the stage with the most layers must fit (a CPU device's pool
+            # counts too).
             last = Shard(tp_size=self.tp_size, pp_size=self.pp_size, pp_rank=self.pp_size - 1)
-            kv = ShardKV(model=self.model.model_kv(), shard=last, page_size=self.cache.page_size)
+            kv = ShardKV(model=model_kv, shard=last, page_size=page)
             host_pool_pages(
                 self.cache, kv, self.host_budget_bytes, device_in_host_memory=not self.gpus_per_rank
             )
         if self.cache.storage.backend != "none" and self.cache.storage.key_scheme == "unified":
-            # Before anything is placed: a grid the model cannot tile is refused here.
-            model_kv = self.model.model_kv()
             for pp_rank in range(self.pp_size):
                 shard = Shard(tp_size=self.tp_size, pp_size=self.pp_size, pp_rank=pp_rank)
-                plan_objects(
-                    ShardKV(model=model_kv, shard=shard, page_size=self.cache.page_size),
-                    self.cache.storage,
-                )
+                kv = ShardKV(model=model_kv, shard=shard, page_size=page)
+                plan_objects(kv, self.cache.storage)
 
     @property
     def world_size(self) -> int:
