@@ -90,6 +90,11 @@ def _bench_parsers(sub: Any) -> None:
     micro.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads")
     micro.add_argument("--quick", action="store_true", help="small shapes (smoke tests)")
     micro.set_defaults(prepare="check_device")
+    _component_benches(bsub)
+    _deployment_benches(bsub)
+
+
+def _component_benches(bsub: Any) -> None:
     storage = _command(
         bsub, "storage", "page hashing; L3 put/get/exists throughput", "bench_storage"
     )
@@ -114,6 +119,9 @@ def _bench_parsers(sub: Any) -> None:
         help="also profile the run (cProfile of the rank; pstats written here, top 25 by "
         "cumulative time printed)",
     )
+
+
+def _deployment_benches(bsub: Any) -> None:
     mt = _command(
         bsub,
         "multiturn",

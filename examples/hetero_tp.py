@@ -35,7 +35,7 @@ from hicache_ray.model import preset
 from hicache_ray.runtime import GenerateRequest
 
 
-def main(argv: list[str] | None = None) -> dict[str, int]:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser.add_argument("--tp4-resource", help="custom resource of the TP=4 nodes")
     parser.add_argument("--gpus-per-rank", type=int, default=0)
     parser.add_argument("--clients", type=int, default=4)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, int]:
+    args = _args(argv)
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     started = not ray.is_initialized()

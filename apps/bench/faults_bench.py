@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import ray
@@ -108,71 +108,96 @@ def _inject(name: str, deployment: Deployment, store: RayStorageOptions) -> None
             ray.kill(shard, no_restart=False)
 
 
+@dataclass
+class _Outcome:
+    """What the turns after a fault got."""
+
+    served: list[tuple[list[int], RequestResult]] = field(default_factory=list)
+    l3_after: int = 0  # tokens the turn hit by the fault took from L3 (it is intact)
+    failed: int = 0
+    recovery: float = 0.0
+    reforms: int = 0
+    storage: dict[str, int] = field(default_factory=dict)
+
+
 def _scenario(name: str, opts: FaultOptions, log: Callable[[str], None]) -> list[Figure]:
     store = RayStorageOptions(name=f"faults-{os.getpid()}-{name}", num_shards=2)
     config = _config(name, opts, store)
     model = config.model
-    gen = torch.Generator().manual_seed(opts.seed)
-    history = [
-        torch.randint(0, model.vocab_size, (opts.prompt_len,), generator=gen).tolist()
-        for _ in range(opts.clients)
-    ]
-    served: list[tuple[list[int], RequestResult]] = []
-    l3_after = 0  # tokens the turn hit by the fault took from L3 (it is intact)
-    failed = 0
-    recovery = 0.0
+    out = _Outcome()
     deployment = Deployment.launch(config)
     try:
-        for turn in range(3):
-            prompts = [h + [turn + 1] * 5 for h in history]
-            if turn == 1 and name in _STORAGE_FAULTS:
-                # A second deployment continues: its pools are empty, so the history must
-                # come from (or be missed in) the faulty L3.
-                deployment.shutdown()
-                deployment = Deployment.launch(
-                    msgspec.structs.replace(config, name=config.name + "-b")
-                )
-            if turn == 1:
-                _inject(name, deployment, store)
-                injected = time.monotonic()
-            requests = [
-                GenerateRequest(f"{name}-t{turn}-c{c}", p, opts.answer_len)
-                for c, p in enumerate(prompts)
-            ]
-            try:
-                results = deployment.generate(requests)
-            except DeploymentError as exc:
-                log(f"{name}: turn {turn} failed: {exc}")
-                failed += len(requests)
-                continue
-            failed += sum(r.error is not None for r in results)
-            if turn:
-                served += list(zip(prompts, results, strict=True))
-            if turn == 1:
-                l3_after = sum(r.storage_hit_tokens for r in results)
-            history = [p + r.output_tokens for p, r in zip(prompts, results, strict=True)]
-            if turn == 1 and name == "l3_shard_killed":
-                store_stats(store)  # answers again (restarted shards)
-                recovery = time.monotonic() - injected
-            deployment.wait_idle(timeout_s=120)
+        deployment = _turns(name, opts, deployment, store, out, log)
         if deployment.reforms:
-            recovery = deployment.reforms[-1].seconds
-        seen = _storage_counts(deployment)
+            out.recovery = deployment.reforms[-1].seconds
+        out.reforms = len(deployment.reforms)
+        out.storage = _storage_counts(deployment)
     finally:
         deployment.shutdown()
         drop_store(store.name)
-    wrong = sum(r.output_tokens != recompute(model, p, opts.answer_len) for p, r in served)
+    wrong = sum(r.output_tokens != recompute(model, p, opts.answer_len) for p, r in out.served)
     log(
-        f"{name}: {len(served)} requests after the fault, {wrong} wrong, {failed} failed, "
-        f"recovered in {recovery:.2f} s, {len(deployment.reforms)} re-forming(s), "
-        f"{l3_after} tokens of the faulted turn from L3; storage: {seen}"
+        f"{name}: {len(out.served)} requests after the fault, {wrong} wrong, {out.failed} "
+        f"failed, recovered in {out.recovery:.2f} s, {out.reforms} re-forming(s), "
+        f"{out.l3_after} tokens of the faulted turn from L3; storage: {out.storage}"
     )
     return [
         figure(f"faults.{name}.wrong_outputs", wrong, "requests", target=0, better="lower"),
-        figure(f"faults.{name}.failed_requests", failed, "requests", target=0, better="lower"),
-        figure(f"faults.{name}.recovery_s", recovery, "s", better="lower"),
-        figure(f"faults.{name}.l3_hit_tokens_after", l3_after, "tokens"),
+        figure(f"faults.{name}.failed_requests", out.failed, "requests", target=0, better="lower"),
+        figure(f"faults.{name}.recovery_s", out.recovery, "s", better="lower"),
+        figure(f"faults.{name}.l3_hit_tokens_after", out.l3_after, "tokens"),
     ]
+
+
+def _turns(
+    name: str,
+    opts: FaultOptions,
+    deployment: Deployment,
+    store: RayStorageOptions,
+    out: _Outcome,
+    log: Callable[[str], None],
+) -> Deployment:
+    """Three turns of every client, the fault injected before the second; returns the
+    deployment serving at the end (storage faults continue on a second one)."""
+    gen = torch.Generator().manual_seed(opts.seed)
+    vocab = deployment.config.model.vocab_size
+    history = [
+        torch.randint(0, vocab, (opts.prompt_len,), generator=gen).tolist()
+        for _ in range(opts.clients)
+    ]
+    injected = 0.0
+    for turn in range(3):
+        prompts = [h + [turn + 1] * 5 for h in history]
+        if turn == 1 and name in _STORAGE_FAULTS:
+            # A second deployment continues: its pools are empty, so the history must
+            # come from (or be missed in) the faulty L3.
+            config = deployment.config
+            deployment.shutdown()
+            deployment = Deployment.launch(msgspec.structs.replace(config, name=config.name + "-b"))
+        if turn == 1:
+            _inject(name, deployment, store)
+            injected = time.monotonic()
+        requests = [
+            GenerateRequest(f"{name}-t{turn}-c{c}", p, opts.answer_len)
+            for c, p in enumerate(prompts)
+        ]
+        try:
+            results = deployment.generate(requests)
+        except DeploymentError as exc:
+            log(f"{name}: turn {turn} failed: {exc}")
+            out.failed += len(requests)
+            continue
+        out.failed += sum(r.error is not None for r in results)
+        if turn:
+            out.served += list(zip(prompts, results, strict=True))
+        if turn == 1:
+            out.l3_after = sum(r.storage_hit_tokens for r in results)
+        history = [p + r.output_tokens for p, r in zip(prompts, results, strict=True)]
+        if turn == 1 and name == "l3_shard_killed":
+            store_stats(store)  # answers again (restarted shards)
+            out.recovery = time.monotonic() - injected
+        deployment.wait_idle(timeout_s=120)
+    return deployment
 
 
 def _storage_counts(deployment: Deployment) -> dict[str, int]:

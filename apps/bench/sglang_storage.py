@@ -190,6 +190,10 @@ def _figures(
         if not same or not all(torch.equal(a, b) for a, b in zip(flats, targets, strict=True)):
             raise RuntimeError("the SGLang backend read back other bytes than it wrote")
 
+    return _rates(samples, nbytes)
+
+
+def _rates(samples: dict[str, list[float]], nbytes: int) -> list[Figure]:
     def gbps(key: str) -> float:
         return nbytes / statistics.median(samples[key]) / 1e9
 

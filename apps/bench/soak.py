@@ -99,59 +99,75 @@ def _inject(deployment: Deployment, rnd: random.Random) -> str | None:
     return f"rank {rank} {kind}"
 
 
+class _Load:
+    """Clients chatting with a deployment while faults are injected: what was served."""
+
+    def __init__(self, opts: SoakOptions, deployment: Deployment, rnd: random.Random) -> None:
+        self.opts, self.deployment, self.rnd = opts, deployment, rnd
+        self.vocab = preset(opts.model).vocab_size
+        self.limit = opts.device_tokens // (2 * opts.concurrency)  # running requests fit
+        self.history: list[list[int]] = [[] for _ in range(opts.clients)]
+        self.running: dict[Future[RequestResult], tuple[int, list[int]]] = {}
+        self.idle = list(range(opts.clients))
+        self.served: list[tuple[list[int], RequestResult]] = []
+        self.failed = self.injected = self.count = 0
+
+    def run(self, log: Callable[[str], None]) -> None:
+        opts = self.opts
+        started = time.monotonic()
+        next_fault = started + opts.fault_every_s
+        while time.monotonic() - started < opts.duration_s or self.running:
+            while self.idle and len(self.running) < opts.concurrency:
+                if time.monotonic() - started >= opts.duration_s:
+                    break
+                self._send(self.idle.pop(0))
+            if time.monotonic() >= next_fault and self.running:
+                what = _inject(self.deployment, self.rnd)
+                if what is not None:
+                    log(f"soak: injecting {what}")
+                    self.injected += 1
+                    next_fault += opts.fault_every_s
+            done, _ = wait(self.running, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in done:
+                self._collect(future, log)
+
+    def _send(self, c: int) -> None:
+        opts = self.opts
+        turn = [self.rnd.randrange(self.vocab) for _ in range(opts.turn_tokens)]
+        if len(self.history[c]) + opts.turn_tokens + 2 * opts.answer_tokens > self.limit:
+            self.history[c] = []  # a new conversation
+        prompt = self.history[c] + turn
+        request = GenerateRequest(f"soak-{self.count}", prompt, opts.answer_tokens)
+        self.running[self.deployment.submit(request)] = (c, prompt)
+        self.count += 1
+
+    def _collect(self, future: Future[RequestResult], log: Callable[[str], None]) -> None:
+        c, prompt = self.running.pop(future)
+        self.idle.append(c)
+        try:
+            result = future.result()
+        except Exception as exc:
+            log(f"soak: a request failed: {exc}")
+            self.failed += 1
+            return
+        if result.error is not None:
+            self.failed += 1
+            log(f"soak: {result.rid} refused: {result.error}")
+            return
+        self.served.append((prompt, result))
+        self.history[c] = prompt + result.output_tokens
+
+
 def run_soak(opts: SoakOptions, log: Callable[[str], None]) -> list[Figure]:
     rnd = random.Random(opts.seed)
     model = preset(opts.model)
     store = RayStorageOptions(name=f"soak-{os.getpid()}", num_shards=2)
-    limit = opts.device_tokens // (2 * opts.concurrency)  # the running requests must fit
     with embedded_ray(2):
         baseline = object_store_usage()
         deployment = Deployment.launch(_config(opts, store))
-        served: list[tuple[list[int], RequestResult]] = []
-        failed = injected = 0
         try:
-            history: list[list[int]] = [[] for _ in range(opts.clients)]
-            running: dict[Future[RequestResult], tuple[int, list[int]]] = {}
-            idle = list(range(opts.clients))
-            started = time.monotonic()
-            next_fault = started + opts.fault_every_s
-            count = 0
-            while time.monotonic() - started < opts.duration_s or running:
-                while (
-                    idle
-                    and len(running) < opts.concurrency
-                    and (time.monotonic() - started < opts.duration_s)
-                ):
-                    c = idle.pop(0)
-                    turn = [rnd.randrange(model.vocab_size) for _ in range(opts.turn_tokens)]
-                    if len(history[c]) + opts.turn_tokens + 2 * opts.answer_tokens > limit:
-                        history[c] = []  # a new conversation
-                    prompt = history[c] + turn
-                    request = GenerateRequest(f"soak-{count}", prompt, opts.answer_tokens)
-                    running[deployment.submit(request)] = (c, prompt)
-                    count += 1
-                if time.monotonic() >= next_fault and running:
-                    what = _inject(deployment, rnd)
-                    if what is not None:
-                        log(f"soak: injecting {what}")
-                        injected += 1
-                        next_fault += opts.fault_every_s
-                done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
-                for future in done:
-                    c, prompt = running.pop(future)
-                    idle.append(c)
-                    try:
-                        result = future.result()
-                    except Exception as exc:
-                        log(f"soak: a request failed: {exc}")
-                        failed += 1
-                        continue
-                    if result.error is not None:
-                        failed += 1
-                        log(f"soak: {result.rid} refused: {result.error}")
-                        continue
-                    served.append((prompt, result))
-                    history[c] = prompt + result.output_tokens
+            load = _Load(opts, deployment, rnd)
+            load.run(log)
             deployment.wait_idle(timeout_s=120)
             leaks = _leaked_pages(deployment)
             reforms = list(deployment.reforms)
@@ -159,6 +175,7 @@ def run_soak(opts: SoakOptions, log: Callable[[str], None]) -> list[Figure]:
             deployment.shutdown()
             drop_store(store.name)  # its shards go, and every object they owned with them
         drained = _wait_drained(baseline)
+    served, failed, injected = load.served, load.failed, load.injected
     sample = rnd.sample(served, min(opts.check, len(served)))
     wrong = sum(r.output_tokens != recompute(model, p, opts.answer_tokens) for p, r in sample)
     hits = sum(r.device_hit_tokens + r.host_hit_tokens for _, r in served)

@@ -173,8 +173,17 @@ class CacheController:
         stats.consensus_s += time.perf_counter() - start
         stats.full_steps += 1
         self._contributed = facts
+        self._apply(header, agreed, new, aborted)
+        return StepResult(
+            self._step, new, self.requests.runnable(), self._busy_agreed, aborted=aborted
+        )
+
+    def _apply(
+        self, header: Header, agreed: list[int], new: list[Arrival], aborted: list[str]
+    ) -> None:
+        """What every rank does with the facts agreed in a full step."""
         if header.failed and not self._failed_since_step:
-            stats.peer_failures += 1
+            self.stats_.peer_failures += 1
         self._failed_since_step = False
         self.acks.apply(*header.acks)
         self.requests.apply(agreed[Header.SIZE :])
@@ -186,9 +195,6 @@ class CacheController:
             if rid in self.requests.known:
                 self.requests.cancel(rid)
         self._busy_agreed = header.busy or bool(self.requests)
-        return StepResult(
-            self._step, new, self.requests.runnable(), self._busy_agreed, aborted=aborted
-        )
 
     def _agree_arrivals(self, rids: list[str]) -> None:
         """One more MIN round, over the requests admitted in this step: one that needs no

@@ -175,6 +175,30 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _num_layers(config: Any, options: SGLangStoreOptions, start: int, end: int) -> int:
+    """The model's decoder layers: given, or known on the last stage (its end); a stage
+    before the last assumes at least one layer per stage after it (no ``share_pp``)."""
+    last_stage = config.pp_rank == config.pp_size - 1
+    num_layers = options.num_layers or (end if last_stage else 0)
+    if options.num_layers and (end > num_layers or (last_stage and end != num_layers)):
+        raise ConfigError(
+            "num_layers",
+            options.num_layers,
+            f"contradicts this stage's layers {start}..{end - 1}",
+            "give the model's decoder layers",
+        )
+    if not num_layers:
+        if options.share_pp:
+            raise ConfigError(
+                "num_layers",
+                0,
+                "unknown on a stage before the last, and share_pp needs it",
+                "add num_layers (the model's decoder layers) to extra_config",
+            )
+        num_layers = end + (config.pp_size - 1 - config.pp_rank)
+    return num_layers
+
+
 def shard_of(
     config: Any, pool: Any, geometry: HostGeometry, options: SGLangStoreOptions
 ) -> tuple[ShardKV, StorageConfig]:
@@ -193,24 +217,7 @@ def shard_of(
         raise ConfigError(
             "host pool", (start, end), f"holds {geometry.layers} layers", "use SGLang 0.5.23"
         )
-    last_stage = config.pp_rank == config.pp_size - 1
-    num_layers = options.num_layers or (end if last_stage else 0)
-    if options.num_layers and (end > num_layers or (last_stage and end != num_layers)):
-        raise ConfigError(
-            "num_layers",
-            options.num_layers,
-            f"contradicts this stage's layers {start}..{end - 1}",
-            "give the model's decoder layers",
-        )
-    if not num_layers:
-        if options.share_pp:
-            raise ConfigError(
-                "num_layers",
-                0,
-                "unknown on a stage before the last, and share_pp needs it",
-                "add num_layers (the model's decoder layers) to extra_config",
-            )
-        num_layers = end + (config.pp_size - 1 - config.pp_rank)  # at least a layer per stage left
+    num_layers = _num_layers(config, options, start, end)
     model = ModelKV(
         num_layers=num_layers,
         num_kv_heads=geometry.heads * (1 if geometry.is_mla else config.tp_size),
