@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test lint typecheck unit bench gpu-check docs clean
+.PHONY: setup demo test test-fast lint typecheck unit bench gpu-check docs clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,12 @@ unit: $(STAMP)
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+# The inner loop: the library's tests without Ray, SGLang or the slow ones (make test runs
+# everything; CI runs make test).
+test-fast: $(STAMP)
+	HICACHE_TESTS_NO_RAY=1 $(PY) -m pytest -q -m "not ray and not sglang and not slow" \
+		--ignore=tests/integrations
 
 bench: $(STAMP)
 	$(VENV)/bin/hicache-ray bench micro --json bench-micro.json

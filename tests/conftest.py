@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from hicache_ray.config import CacheConfig, MemoryConfig, WriteConfig
 from hicache_ray.layout import ModelKV, Shard, ShardKV
-from tests.ray_util import ensure_local_ray
+from tests.helpers import ensure_local_ray
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -100,8 +101,31 @@ def kv() -> ShardKV:
     return make_kv()
 
 
+_TESTS = Path(__file__).resolve().parent
+# Tests of these folders need a Ray cluster (or start one through the CLI) or SGLang.
+_RAY_FOLDERS = {"actors", "apps", "examples"}
+_RAY_MODULES = {"test_groups.py", "test_sglang_deployment.py"}
+
+
+def _needs_ray(item: pytest.Item) -> bool:
+    rel = Path(str(item.fspath)).resolve().relative_to(_TESTS)
+    if rel.parts[0] in _RAY_FOLDERS or rel.name in _RAY_MODULES:
+        return True
+    if {"ray_local", "contract_store"} & set(getattr(item, "fixturenames", ())):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(str(v).partition("+")[0] == "ray" for v in params.values())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it."""
+    """Lanes: tests that need Ray are marked ``ray``, those of SGLang ``sglang`` (``make
+    test-fast`` leaves both out). Tests marked ``gpu`` need CUDA: skipped (with the reason)
+    on machines without it."""
+    for item in items:
+        if _needs_ray(item):
+            item.add_marker(pytest.mark.ray)
+        if Path(str(item.fspath)).resolve().relative_to(_TESTS).parts[0] == "integrations":
+            item.add_marker(pytest.mark.sglang)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs these on a GPU)")

@@ -10,10 +10,9 @@ import pytest
 
 from hicache_ray.config import RayStorageOptions, StorageConfig
 from hicache_ray.runtime import GenerateRequest
-from tests.ray_util import wait_until
+from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
+from tests.helpers import wait_until
 from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys
-
-from .deploy_util import MODEL, cache_config, prompt, recompute, store_name
 
 ray = pytest.importorskip("ray")
 actors = pytest.importorskip("actors")

@@ -11,9 +11,8 @@ import pytest
 
 from hicache_ray.errors import ConfigError
 from hicache_ray.runtime import GenerateRequest
-from tests.ray_util import ensure_local_ray
-
-from .deploy_util import MODEL, cache_config, prompt, recompute, store_name
+from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
+from tests.helpers import ensure_local_ray
 
 ray = pytest.importorskip("ray")
 actors = pytest.importorskip("actors")
@@ -178,7 +177,7 @@ def test_stats_command_and_prometheus_metrics(
     from apps.cli import main
     from hicache_ray.metrics import METRICS
     from hicache_ray.stats import CacheStats, ControllerStats
-    from tests.ray_util import wait_until
+    from tests.helpers import wait_until
 
     tp2.generate([GenerateRequest("m1", prompt(11, 20), 2)])
     tp2.wait_idle(timeout_s=30)

@@ -14,10 +14,9 @@ import pytest
 
 from hicache_ray.config import Fault, PrefetchConfig
 from hicache_ray.request import GenerateRequest
-from tests.ray_util import ensure_local_ray, wait_until
-from tests.test_request import BAD
-
-from .deploy_util import MODEL, cache_config, prompt, recompute, store_name
+from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
+from tests.engine.test_request import BAD
+from tests.helpers import ensure_local_ray, wait_until
 
 ray = pytest.importorskip("ray")
 actors = pytest.importorskip("actors")

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from hicache_ray.runtime import GenerateRequest
-
-from .deploy_util import MODEL, PAGE, cache_config, prompt, recompute, store_name
+from tests.actors.helpers import MODEL, PAGE, cache_config, prompt, recompute, store_name
 
 ray = pytest.importorskip("ray")
 actors = pytest.importorskip("actors")

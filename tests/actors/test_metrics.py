@@ -13,9 +13,8 @@ from actors.metrics import flatten_stats
 from hicache_ray.metrics import METRICS, markdown_table
 from hicache_ray.runtime import GenerateRequest
 from hicache_ray.stats import CacheStats, ControllerStats
-from tests.ray_util import wait_until
-
-from .deploy_util import MODEL, cache_config, prompt, store_name
+from tests.actors.helpers import MODEL, cache_config, prompt, store_name
+from tests.helpers import wait_until
 
 ray = pytest.importorskip("ray")
 actors = pytest.importorskip("actors")

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.model.hf_util import make_checkpoint
-from tests.ray_util import ensure_local_ray
+from tests.helpers import ensure_local_ray
+from tests.model.helpers import make_checkpoint
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ from hicache_ray.config import RayStorageOptions, StorageConfig
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend, create_backend
-from tests.ray_util import ensure_local_ray, plasma_usage, wait_until
+from tests.helpers import ensure_local_ray, plasma_usage, wait_until
 from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys
 
 ray = pytest.importorskip("ray")

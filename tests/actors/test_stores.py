@@ -9,7 +9,7 @@ import pytest
 
 from hicache_ray.config import RayStorageOptions, StorageConfig
 from hicache_ray.storage import create_backend
-from tests.ray_util import plasma_usage, wait_until
+from tests.helpers import plasma_usage, wait_until
 from tests.storage.conftest import make_pages, make_plan, page_keys
 
 ray = pytest.importorskip("ray")

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from hicache_ray.request import GenerateRequest, RequestResult
-from tests.ray_util import ensure_local_ray
-
-from .deploy_util import MODEL, cache_config, prompt, recompute
+from tests.actors.helpers import MODEL, cache_config, prompt, recompute
+from tests.helpers import ensure_local_ray
 
 ray = pytest.importorskip("ray")
 actors = pytest.importorskip("actors")

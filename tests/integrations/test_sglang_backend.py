@@ -15,7 +15,7 @@ import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from hicache_ray.errors import ConfigError
-from tests.integrations.sglang_util import (
+from tests.integrations.helpers import (
     HEADS,
     LAYERS,
     MHA_LAYOUTS,

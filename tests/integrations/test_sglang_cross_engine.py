@@ -19,7 +19,7 @@ from hicache_ray.keys import ShardPlan, plan_objects
 from hicache_ray.layout import ModelKV, Shard, ShardKV
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import PagedBackend, create_backend
-from tests.integrations.sglang_util import (
+from tests.integrations.helpers import (
     HEAD_DIM,
     HEADS,
     LAYERS,

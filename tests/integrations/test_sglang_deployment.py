@@ -32,9 +32,9 @@ from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.model import ReferenceModel
 from hicache_ray.runtime import GenerateRequest, RankRuntime
 from hicache_ray.storage import create_backend
-from tests.actors.deploy_util import MODEL, PAGE, cache_config, prompt, recompute, store_name
-from tests.integrations.sglang_util import attach, host_pool, native_page, storage_config, to_native
-from tests.ray_util import wait_until
+from tests.actors.helpers import MODEL, PAGE, cache_config, prompt, recompute, store_name
+from tests.helpers import wait_until
+from tests.integrations.helpers import attach, host_pool, native_page, storage_config, to_native
 
 ray = pytest.importorskip("ray")
 actors = pytest.importorskip("actors")
@@ -45,7 +45,7 @@ HASHES = get_hash_str(PROMPT, None, page_size=PAGE)
 
 
 def _extra(**store: Any) -> dict[str, Any]:
-    """SGLang's side of the namespace of ``deploy_util.cache_config``."""
+    """SGLang's side of the namespace of ``tests.actors.helpers.cache_config``."""
     return {
         "model_id": "test4",
         "share_tp": [1, 2, 4],

@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.hicache_key_scheme import namespace_digest, plan_unifi
 from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
 from hicache_ray.keys import page_hashes, salt_seed
-from tests.integrations.sglang_util import HEADS, LAYERS, PAGE, attach, host_pool, storage_config
+from tests.integrations.helpers import HEADS, LAYERS, PAGE, attach, host_pool, storage_config
 
 TOKENS = list(range(7, 7 + 5 * PAGE + 3))
 

@@ -27,8 +27,7 @@ from hicache_ray.runtime import RankRuntime
 from hicache_ray.storage import MemoryObjects, PagedBackend
 
 pytest.importorskip("transformers")
-from .hf_util import FAMILIES, VOCAB, hf_logits, make_checkpoint
-from .tp_threads import tp2_forward
+from tests.model.helpers import FAMILIES, VOCAB, hf_logits, make_checkpoint, tp2_forward
 
 TOL = 1e-4
 PAGE = 4

@@ -9,7 +9,7 @@ from hicache_ray.errors import ConfigError
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.memory import DevicePool
 from hicache_ray.model import ModelConfig, ReferenceModel, attention, paged_attention, preset
-from tests.model.tp_threads import tp2_forward
+from tests.model.helpers import tp2_forward
 
 PAGE = 4
 TOL = 1e-4  # float32: a chunked softmax and a split sum reorder additions, nothing more

@@ -118,7 +118,7 @@ def _opener(request, tmp_path, kind: str) -> Callable[[], ObjectStore]:
 
 @pytest.fixture(scope="session")
 def contract_store() -> Iterator[RayStorageOptions]:
-    from tests.ray_util import ensure_local_ray
+    from tests.helpers import ensure_local_ray
 
     ensure_local_ray()
     options = RayStorageOptions(name="contract", num_shards=2)

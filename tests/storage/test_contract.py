@@ -11,8 +11,14 @@ import torch
 from hicache_ray.config import Fault
 from hicache_ray.storage import FaultyObjects
 from hicache_ray.storage.page_format import encode_header, payload_view
-
-from .conftest import BACKENDS, empty_buffers, make_pages, make_plan, page_keys, stored_size
+from tests.storage.conftest import (
+    BACKENDS,
+    empty_buffers,
+    make_pages,
+    make_plan,
+    page_keys,
+    stored_size,
+)
 
 pytestmark = pytest.mark.parametrize("object_store_factory", BACKENDS, indirect=True)
 

@@ -19,8 +19,7 @@ from hicache_ray.storage import (
     backend_names,
     create_backend,
 )
-
-from .conftest import empty_buffers, make_pages, make_plan, page_keys, stored_size
+from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys, stored_size
 
 
 def _backend(*faults: Fault, capacity_bytes: int = 0, seed: int = 0):

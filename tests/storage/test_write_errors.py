@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from hicache_ray.storage import FileObjects, PagedBackend
-
-from .conftest import empty_buffers, make_pages, make_plan, page_keys, stored_size
+from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys, stored_size
 
 
 class _FailingStream:

@@ -21,7 +21,7 @@ from hicache_ray.request import GenerateRequest, RequestResult, SamplingParams
 from hicache_ray.runtime import RankRuntime
 from hicache_ray.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
-from tests.test_runtime import TOL, prompt, reference
+from tests.engine.test_runtime import TOL, prompt, reference
 
 PAGE = 4
 MODEL = preset("tiny")

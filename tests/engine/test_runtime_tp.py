@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tests import runtime_ranks
 from tests.controller.test_multirank import collect, spawn
-from tests.test_runtime import TOL, GenerateRequest, prompt, run, runtime
+from tests.engine import ranks as runtime_ranks
+from tests.engine.test_runtime import TOL, GenerateRequest, prompt, run, runtime
 
 
 def test_tensor_parallel_runtime_matches_one_rank() -> None:

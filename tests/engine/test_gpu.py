@@ -13,7 +13,7 @@ from hicache_ray.model import preset
 from hicache_ray.runtime import GenerateRequest, RankRuntime
 from hicache_ray.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
-from tests.test_runtime import run
+from tests.engine.test_runtime import run
 
 pytestmark = pytest.mark.gpu
 MODEL = preset("tiny4")

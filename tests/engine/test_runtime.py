@@ -156,7 +156,7 @@ def test_bad_requests_are_refused_alone() -> None:
 
 
 def test_bad_requests_between_good_ones_leave_them_exact() -> None:
-    from tests.test_request import BAD
+    from tests.engine.test_request import BAD
 
     tokens_a, tokens_b = prompt(31, 13), prompt(32, 9)
     expected_a, expected_b = reference(tokens_a)[1][:3], reference(tokens_b)[1][:3]

@@ -11,8 +11,13 @@ RAY_CPUS = 8  # logical CPUs of the shared local Ray (a TP=4 and a TP=2 deployme
 def ensure_local_ray() -> None:
     """Connect the shared local Ray (started on first use, and again after a module that
     ran its own cluster); the session fixture in conftest shuts it down at the end."""
+    import os
+
+    import pytest
     import ray
 
+    if os.environ.get("HICACHE_TESTS_NO_RAY"):
+        pytest.fail("this test starts Ray: the fast lane (make test-fast) has none; mark it")
     if not ray.is_initialized():
         ray.init(
             address="local",

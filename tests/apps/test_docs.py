@@ -20,7 +20,7 @@ import pytest
 
 from apps.docs_gen import regenerate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 
