@@ -21,12 +21,22 @@ class LoopThread:
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._pending: set[Future[Any]] = set()  # guarded by _lock: not answered yet
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the loop; the future holds its outcome."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._answered)
+        return future
+
+    def _answered(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
 
     def close(self) -> None:
         """Stop the loop once the coroutines still on it have ended (they are expected to
@@ -35,8 +45,12 @@ class LoopThread:
             asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
 
     async def _drain(self) -> None:
-        me = asyncio.current_task()
-        while any(t is not me and not t.done() for t in asyncio.all_tasks()):
+        # NOTE: the callers' futures, not the loop's tasks: a task that ended has yet to
+        # hand its outcome to its caller's future (a callback on this loop) until then.
+        while True:
+            with self._lock:
+                if not self._pending:
+                    break
             await asyncio.sleep(_DRAIN_POLL_S)
         self.loop.stop()
 
