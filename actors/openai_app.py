@@ -44,7 +44,13 @@ from hicache_ray.openai.protocol import (
     usage,
 )
 from hicache_ray.openai.text import IncrementalText, text_codec
-from hicache_ray.request import GenerateRequest, RequestResult, SamplingParams, StreamChunk
+from hicache_ray.request import (
+    ErrorKind,
+    GenerateRequest,
+    RequestResult,
+    SamplingParams,
+    StreamChunk,
+)
 from hicache_ray.spec import DeploymentConfig
 
 __all__ = [
@@ -57,7 +63,6 @@ __all__ = [
 
 MAX_BODY_BYTES = 4 << 20
 CHAT_MAX_TOKENS_DEFAULT = 256
-_STATUS = {"invalid": 400, "overloaded": 503, "internal": 500}
 
 
 _T = TypeVar("_T")
@@ -232,7 +237,7 @@ def _checked(result: RequestResult) -> RequestResult:
     """``result``, or the OpenAI error of its failure (503 with Retry-After: overloaded)."""
     if result.error is None:
         return result
-    status = _STATUS.get(result.error_kind or "internal", 500)
+    status = (result.error_kind or ErrorKind.INTERNAL).http_status
     kind = "invalid_request_error" if status == 400 else "server_error"
     retry = _RETRY_AFTER_S if status == 503 else None
     raise OpenAIError(status, result.error, kind=kind, retry_after_s=retry)

@@ -10,6 +10,7 @@ requests of the same call are served normally.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 import msgspec
@@ -20,6 +21,8 @@ from hicache_ray.errors import HiCacheError
 
 __all__ = [
     "FINISH_REASONS",
+    "ErrorKind",
+    "FinishReason",
     "MAX_NEW_TOKENS",
     "MAX_RID_CHARS",
     "MAX_TOKEN_ID",
@@ -27,6 +30,7 @@ __all__ = [
     "RequestError",
     "RequestResult",
     "SamplingParams",
+    "StepOutput",
     "StreamChunk",
     "TTFTSplit",
     "check_batch",
@@ -42,7 +46,36 @@ MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as uint32
 
 # Why a request ended: it generated max_new_tokens ("length"), an EOS or stop token
 # ("stop"), its caller aborted it ("abort"), or it failed ("error", see ``error``).
-FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended (``RequestResult.finish_reason``; OpenAI's ``finish_reason``)."""
+
+    LENGTH = "length"  # max_new_tokens generated
+    STOP = "stop"  # a stop token (or, over HTTP, a stop string)
+    ABORT = "abort"  # its caller stopped it
+    ERROR = "error"  # refused or failed: see ``error`` and ``error_kind``
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ErrorKind(str, enum.Enum):
+    """What kind of failure a result's ``error`` is, and its HTTP status."""
+
+    INVALID = "invalid"  # the request itself: fix it (400)
+    OVERLOADED = "overloaded"  # refused for now, the queue is full: retry later (503)
+    INTERNAL = "internal"  # it failed while running (500)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def http_status(self) -> int:
+        return {"invalid": 400, "overloaded": 503, "internal": 500}[self.value]
+
+
+FINISH_REASONS = tuple(r.value for r in FinishReason)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,14 +178,22 @@ class RequestResult(msgspec.Struct, kw_only=True):
     prefetch_bytes: int = 0
     queue_s: float = 0.0
     ttft_split: TTFTSplit = msgspec.field(default_factory=TTFTSplit)
-    finish_reason: str = "length"
+    finish_reason: FinishReason = FinishReason.LENGTH
     error: str | None = None
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
 
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens served from L1, L2 or L3 (OpenAI's ``cached_tokens``)."""
         return self.device_hit_tokens + self.host_hit_tokens
+
+
+class StepOutput(msgspec.Struct):
+    """What one step produced: finished requests, and the tokens each running request
+    generated in it (in order; what a streaming caller forwards)."""
+
+    results: list[RequestResult] = msgspec.field(default_factory=list)
+    tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class StreamChunk(msgspec.Struct):
@@ -296,11 +337,14 @@ def check_limits(
         )
 
 
-def error_result(request: object, error: str, kind: str = "invalid") -> RequestResult:
+def error_result(request: object, error: str, kind: ErrorKind = ErrorKind.INVALID) -> RequestResult:
     """An error result for ``request`` (whatever it is)."""
     rid = getattr(request, "rid", "")
     return RequestResult(
-        rid=rid if type(rid) is str else "", error=error, finish_reason="error", error_kind=kind
+        rid=rid if type(rid) is str else "",
+        error=error,
+        finish_reason=FinishReason.ERROR,
+        error_kind=kind,
     )
 
 

@@ -18,10 +18,9 @@ Every rank of a deployment runs :meth:`RankRuntime.step` in lock step; rank 0 al
    prompt and answer into the cache and releases its locks.
 
 Nothing invalid reaches a collective (requests are checked first). An exception raised while
-running one request (not a failed collective) fails that request alone: every rank that
-raised agrees on it through :meth:`CacheController.agree_failure`; a failed batch is retried
-request by request, so the one that raises fails alone. A rank that did not raise never
-joins that agreement: the others time out and the deployment re-forms.
+running one request fails it alone: the ranks that raised agree on it
+(:meth:`CacheController.agree_failure`; a failed batch is retried request by request); a
+rank that did not raise never joins, the others time out and the deployment re-forms.
 """
 
 from __future__ import annotations
@@ -39,10 +38,13 @@ from hicache_ray.errors import CollectiveError
 from hicache_ray.model import ReferenceModel
 from hicache_ray.model.pipe import StageExecutor
 from hicache_ray.request import (
+    ErrorKind,
+    FinishReason,
     GenerateRequest,
     RequestError,
     RequestResult,
     SamplingParams,
+    StepOutput,
     check_limits,
     check_request,
     error_result,
@@ -64,14 +66,6 @@ class _Options(msgspec.Struct, frozen=True):
 
 
 _OPTIONS = msgspec.msgpack.Decoder(_Options)
-
-
-class StepOutput(msgspec.Struct):
-    """What one step produced: finished requests, and the tokens each running request
-    generated in it (in order; what a streaming caller forwards)."""
-
-    results: list[RequestResult] = msgspec.field(default_factory=list)
-    tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class RankRuntime:
@@ -133,13 +127,13 @@ class RankRuntime:
             return
         refused = self.admission.offer(checked, time.perf_counter())
         if refused is not None:
-            self._out.results.append(error_result(checked, refused, "overloaded"))
+            self._out.results.append(error_result(checked, refused, ErrorKind.OVERLOADED))
 
     def abort(self, rid: str) -> None:
         """Stop request ``rid`` (rank 0): it ends at the next step with ``finish_reason``
         ``abort`` and the tokens it generated so far."""
         if self.admission.withdraw(rid):
-            self._out.results.append(RequestResult(rid=rid, finish_reason="abort"))
+            self._out.results.append(_aborted(rid))
         elif rid in self._waiting or any(s.rid == rid for s in self._running):
             self._aborts.append(rid)
 
@@ -186,7 +180,7 @@ class RankRuntime:
         for a in agreed.arrivals:
             self._arrive(a, now)
         for rid in agreed.aborted:
-            self._drop(rid, RequestResult(rid=rid, finish_reason="abort"), keep_output=True)
+            self._drop(rid, _aborted(rid), keep_output=True)
         starts = [rid for rid in agreed.runnable if rid in self._waiting]
         for ordinal, rid in enumerate(starts[: max(0, self.max_running - len(self._running))]):
             self._guarded(ordinal, [rid], self._start)
@@ -374,7 +368,8 @@ class RankRuntime:
             raise
         except Exception as exc:
             log.exception("request %s failed on rank %d", rids[0], self.ctl.consensus.rank)
-            error = error_result(Arrival(rids[0], [0]), f"{type(exc).__name__}: {exc}", "internal")
+            why = f"{type(exc).__name__}: {exc}"
+            error = error_result(Arrival(rids[0], [0]), why, ErrorKind.INTERNAL)
             self._drop(rids[0], error)
             self.ctl.agree_failure(ordinal)
 
@@ -395,6 +390,10 @@ class RankRuntime:
         if keep_output:
             result = seq.result
             result.output_tokens = list(seq.generated)
-            result.finish_reason = "abort"
+            result.finish_reason = FinishReason.ABORT
         self._finish_admission(rid)
         self._out.results.append(result)
+
+
+def _aborted(rid: str) -> RequestResult:
+    return RequestResult(rid=rid, finish_reason=FinishReason.ABORT)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from hicache_ray.cache import CacheHandle
 from hicache_ray.memory import Transfer
 from hicache_ray.model.transformer import Segment
-from hicache_ray.request import GenerateRequest, RequestResult
+from hicache_ray.request import FinishReason, GenerateRequest, RequestResult
 from hicache_ray.sampling import RequestSampler
 
 __all__ = ["Admission", "Req", "plan_batch"]
@@ -158,8 +158,8 @@ class Req:
         return len(self.generated) >= self.request.max_new_tokens or self.stopped
 
     @property
-    def finish_reason(self) -> str:
-        return "stop" if self.stopped else "length"
+    def finish_reason(self) -> FinishReason:
+        return FinishReason.STOP if self.stopped else FinishReason.LENGTH
 
 
 def plan_batch(running: list[Req], max_step_tokens: int) -> list[tuple[Req, int]]:

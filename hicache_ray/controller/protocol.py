@@ -89,23 +89,50 @@ def decode_arrivals(data: bytes) -> Admission:
     return _DECODER.decode(data)
 
 
+# The header's layout, declared once: (field, slots, how the MIN agrees it). "max": negated
+# on the way in and out, so the MIN carries the largest (rank 0's counts, any rank's flag);
+# "min": the smallest (acknowledged counts); "both": sent as n and -n, so the agreement
+# shows the smallest and the largest and a rank that diverged is caught.
+_LAYOUT: tuple[tuple[str, int, str], ...] = (
+    ("arrivals", 1, "max"),
+    ("payload_bytes", 1, "max"),
+    ("acks", 3, "min"),  # completed writes, completed backups, first failed backup
+    ("failed", 1, "max"),
+    ("busy", 1, "max"),
+    ("num_requests", 1, "both"),
+)
+
+
+def _slots(slots: int, how: str) -> int:
+    return 2 * slots if how == "both" else slots
+
+
 @dataclass(frozen=True)
 class Header:
-    """The fixed part of the step vector (one rank's view before the MIN, agreed after)."""
+    """The fixed part of the step vector (one rank's view before the MIN, agreed after),
+    laid out as ``_LAYOUT`` declares."""
 
-    SIZE = 9
+    SIZE = sum(_slots(n, how) for _, n, how in _LAYOUT)
 
     arrivals: int
     payload_bytes: int
-    acks: list[int]  # completed writes, completed backups, first failed backup
+    acks: list[int]
     failed: bool
     busy: bool
     num_requests: int
 
     def encode(self) -> list[int]:
-        return Header.local(
-            self.arrivals, self.payload_bytes, self.acks, self.failed, self.busy, self.num_requests
-        )
+        out: list[int] = []
+        for name, _, how in _LAYOUT:
+            value = getattr(self, name)
+            values = [int(v) for v in value] if isinstance(value, list) else [int(value)]
+            if how == "max":
+                out += [-v for v in values]
+            elif how == "min":
+                out += values
+            else:
+                out += values + [-v for v in values]
+        return out
 
     @staticmethod
     def local(
@@ -116,30 +143,31 @@ class Header:
         busy: bool,
         num_requests: int,
     ) -> list[int]:
-        """One rank's header, encoded (what :meth:`encode` gives, without the object)."""
-        return [
-            -arrivals,
-            -payload_bytes,
-            *acks,
-            -int(failed),
-            -int(busy),
-            num_requests,
-            -num_requests,
-        ]
+        """One rank's header, encoded (what :meth:`encode` gives)."""
+        return Header(arrivals, payload_bytes, acks, failed, busy, num_requests).encode()
 
     @classmethod
     def decode(cls, agreed: Sequence[int], step: int) -> Header:
-        lowest, highest = agreed[7], -agreed[8]
-        if lowest != highest:
-            raise ConsensusError(
-                f"step {step}: ranks hold {lowest} to {highest} requests in flight; take() "
-                "and cancel() must be called for the same requests on every rank"
-            )
+        values: dict[str, list[int]] = {}
+        pos = 0
+        for name, n, how in _LAYOUT:
+            part = list(agreed[pos : pos + _slots(n, how)])
+            pos += len(part)
+            if how == "both":
+                lowest, highest = part[:n], [-v for v in part[n:]]
+                if lowest != highest:
+                    raise ConsensusError(
+                        f"step {step}: ranks hold {lowest[0]} to {highest[0]} requests in "
+                        "flight; take() and cancel() must be called for the same requests "
+                        "on every rank"
+                    )
+                part = lowest
+            values[name] = [-v for v in part] if how == "max" else part
         return cls(
-            arrivals=-agreed[0],
-            payload_bytes=-agreed[1],
-            acks=list(agreed[2:5]),
-            failed=agreed[5] < 0,
-            busy=agreed[6] < 0,
-            num_requests=lowest,
+            arrivals=values["arrivals"][0],
+            payload_bytes=values["payload_bytes"][0],
+            acks=values["acks"],
+            failed=values["failed"][0] > 0,
+            busy=values["busy"][0] > 0,
+            num_requests=values["num_requests"][0],
         )
