@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -125,14 +125,24 @@ class Deployment(RankSet):
                 results[i] = error_result(raw, str(exc))
                 continue
             rids.add(request.rid)
-            running[i] = self._io.run(self._run(request))
+            running[i] = self._start(self._run(request))
         for i, future in running.items():
             results[i] = future.result()
         return [results[i] for i in range(len(batch))]
 
     def submit(self, request: GenerateRequest) -> Future[RequestResult]:
         """Run ``request`` in the background; the future holds its result."""
-        return self._io.run(self.generate_async(request))
+        return self._start(self.generate_async(request))
+
+    def _start(self, coro: Coroutine[Any, Any, RequestResult]) -> Future[RequestResult]:
+        """Run ``coro`` on the I/O loop; a shut-down deployment raises ``DeploymentError``."""
+        try:
+            self._check_open()
+            return self._io.run(coro)
+        except (DeploymentError, RuntimeError):  # RuntimeError: the loop has stopped
+            coro.close()
+            self._check_open()
+            raise
 
     async def generate_async(self, request: GenerateRequest) -> RequestResult:
         """:meth:`generate` of one request for asyncio callers (a Serve replica)."""

@@ -14,7 +14,7 @@ import msgspec
 
 __all__ = ["UNFULFILLED_REASONS", "CacheStats", "ControllerStats", "RankHealth"]
 
-# Why pages L3 holds were not prefetched (see the README).
+# Why pages L3 holds were not prefetched (one metric each: docs/metrics.md).
 UNFULFILLED_REASONS = (
     "host_capacity",  # the host pool had no room, even after evicting host-only pages
     "prefetch_quota",  # running prefetches already hold max_host_fraction of the host pool

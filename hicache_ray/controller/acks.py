@@ -95,7 +95,7 @@ class Acknowledger:
         chain = []
         ancestor = node
         while ancestor is not tree.root and ancestor.backup in retry:
-            if not ancestor.backuped:
+            if not ancestor.backed_up:
                 node.backup = BackupMark.WAITING
                 self._stats.backup_skipped_gap += 1
                 return

@@ -109,7 +109,7 @@ class CacheController:
         if self._owns_storage:
             storage = create_backend(config.storage, self.plan)  # type: ignore[arg-type]
         self.storage = storage
-        self.stats_ = ControllerStats(cache=self.cache.counters)
+        self.counters = ControllerStats(cache=self.cache.counters)
         self.prefetch: PrefetchPipeline | None = None
         self.backup: BackupPipeline | None = None
         if storage is not None and self.plan is not None:
@@ -117,9 +117,9 @@ class CacheController:
             self.prefetch = PrefetchPipeline(storage, self.plan, host, batch)
             self.backup = BackupPipeline(storage, self.plan, host, batch)
         salt = config.storage.tenant_salt
-        self.acks = Acknowledger(self.cache, self.backup, salt, self.stats_)
+        self.acks = Acknowledger(self.cache, self.backup, salt, self.counters)
         self.requests = RequestState(
-            self.cache, config, self.prefetch, self.stats_, self.note_failure, clock
+            self.cache, config, self.prefetch, self.counters, self.note_failure, clock
         )
         self._step = 0
         self._failed_since_step = False
@@ -152,7 +152,7 @@ class CacheController:
         )
         facts += self.requests.facts()
         self._step += 1
-        stats = self.stats_
+        stats = self.counters
         stats.steps += 1
         start = time.perf_counter()
         # Round 1: does any rank contribute something new? When none does, every MIN of
@@ -168,8 +168,8 @@ class CacheController:
         aborted: list[str] = []
         if header.arrivals:
             data = self.consensus.broadcast_bytes(payload, header.payload_bytes, self._step)
-            admission = decode_arrivals(data)
-            new, aborted = admission.arrivals, admission.aborts
+            broadcast = decode_arrivals(data)
+            new, aborted = broadcast.arrivals, broadcast.aborts
         stats.consensus_s += time.perf_counter() - start
         stats.full_steps += 1
         self._contributed = facts
@@ -183,7 +183,7 @@ class CacheController:
     ) -> None:
         """What every rank does with the facts agreed in a full step."""
         if header.failed and not self._failed_since_step:
-            self.stats_.peer_failures += 1
+            self.counters.peer_failures += 1
         self._failed_since_step = False
         self.acks.apply(*header.acks)
         self.requests.apply(agreed[Header.SIZE :])
@@ -204,7 +204,7 @@ class CacheController:
         self.requests.wait_queries(rids, ARRIVAL_QUERY_WAIT_S)
         start = time.perf_counter()
         agreed = self.consensus.all_reduce_min(self.requests.facts(rids), self._step)
-        self.stats_.consensus_s += time.perf_counter() - start
+        self.counters.consensus_s += time.perf_counter() - start
         self.requests.apply(agreed, rids)
 
     def agree_failure(self, ordinal: int) -> None:
@@ -287,8 +287,8 @@ class CacheController:
 
     def stats(self) -> ControllerStats:
         """A snapshot of every counter and gauge of this rank."""
-        s = msgspec.structs.replace(self.stats_, cache=self.cache.counters.snapshot())
-        s.unfulfilled_tokens = dict(self.stats_.unfulfilled_tokens)
+        s = msgspec.structs.replace(self.counters, cache=self.cache.counters.snapshot())
+        s.unfulfilled_tokens = dict(self.counters.unfulfilled_tokens)
         dev, host = self.cache.device_pool.allocator, self.cache.host_pool.allocator
         s.device_pages_used, s.device_pages_total = dev.num_used_pages, dev.num_pages
         s.host_pages_used, s.host_pages_total = host.num_used_pages, host.num_pages

@@ -31,7 +31,7 @@ import msgspec
 
 from hicache_ray.controller.consensus import ConsensusError
 
-__all__ = ["Admission", "Arrival", "Header", "decode_arrivals", "encode_arrivals"]
+__all__ = ["StepBroadcast", "Arrival", "Header", "decode_arrivals", "encode_arrivals"]
 
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -50,7 +50,7 @@ class Arrival(msgspec.Struct, frozen=True):
     extra: bytes = b""
 
 
-class Admission(msgspec.Struct, frozen=True):
+class StepBroadcast(msgspec.Struct, frozen=True):
     """What rank 0 broadcasts in a step: new requests, and requests its callers aborted
     (every rank drops those at the same step)."""
 
@@ -59,7 +59,7 @@ class Admission(msgspec.Struct, frozen=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(Admission)
+_DECODER = msgspec.msgpack.Decoder(StepBroadcast)
 
 
 def encode_arrivals(
@@ -82,10 +82,10 @@ def encode_arrivals(
             raise ValueError(f"request {a.rid!r} has no tokens")
         if min(a.tokens) < 0 or max(a.tokens) > MAX_TOKEN_ID:
             raise ValueError(f"request {a.rid!r} has a token id outside [0, 2**32)")
-    return _ENCODER.encode(Admission(list(arrivals), list(aborts)))
+    return _ENCODER.encode(StepBroadcast(list(arrivals), list(aborts)))
 
 
-def decode_arrivals(data: bytes) -> Admission:
+def decode_arrivals(data: bytes) -> StepBroadcast:
     return _DECODER.decode(data)
 
 

@@ -240,7 +240,7 @@ class RequestState:
         dropped = None
         if useful:
             assert r.task is not None
-            unbacked = r.node is not tree.root and not r.node.backuped
+            unbacked = r.node is not tree.root and not r.node.backed_up
             if self._config.write.policy == "write_through" and unbacked:
                 dropped = useful  # the host tier must stay a superset of the device tier
                 self._stats.refills_dropped += 1

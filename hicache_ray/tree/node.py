@@ -34,7 +34,7 @@ class TreeNode:
     copy. A node whose copy into a tier is still in flight carries the copy in
     ``device_pending`` / ``host_pending``; after a split both halves share it.
 
-    States: on device (``device_pages`` set), ``evicted`` (not on device), ``backuped`` (a
+    States: on device (``device_pages`` set), ``evicted`` (not on device), ``backed_up`` (a
     completed host copy), dead (neither: its subtree cannot be reached by a match).
 
     ``page_hashes`` caches the storage page hashes of the key (filled by whoever needs
@@ -110,7 +110,7 @@ class TreeNode:
         return self.device_pages is None
 
     @property
-    def backuped(self) -> bool:
+    def backed_up(self) -> bool:
         """A host copy exists and its write has completed."""
         if self.host_pages is None:
             return False

@@ -69,7 +69,7 @@ def test_backed_up_nodes_become_host_only_and_host_eviction_follows() -> None:
     r = t.insert(toks(1, 1, 2, 2), [0, 1])
     node = r.new_nodes[0]
     t.set_host(node, [7, 8], pending=None)
-    assert node.backuped
+    assert node.backed_up
     assert sorted(t.evict_device(2)) == [0, 1]
     m = t.match_prefix(toks(1, 1, 2, 2, 3, 3))
     assert m.device_pages == [] and m.host_hit_pages == 2 and m.best_match_node is node
