@@ -11,11 +11,12 @@ with ``ray_``.
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import msgspec
 
-from hicache_ray.stats import UNFULFILLED_REASONS
+from hicache_ray.stats import UNFULFILLED_REASONS, CacheStats, ControllerStats, Published
 
 __all__ = ["METRICS", "SECONDS_BUCKETS", "Metric", "markdown_table"]
 
@@ -43,120 +44,41 @@ class Metric(msgspec.Struct, frozen=True, kw_only=True):
     source: str
 
 
-def _counter(name: str, source: str, text: str) -> Metric:
-    return Metric(name=f"hicache_{name}_total", kind="counter", help=text, source=source)
-
-
-def _gauge(name: str, source: str, text: str) -> Metric:
-    return Metric(name=f"hicache_{name}", kind="gauge", help=text, source=source)
-
-
 def _histogram(name: str, source: str, text: str) -> Metric:
     return Metric(name=f"hicache_{name}", kind="histogram", help=text, source=source)
 
 
+def _published(struct: type, prefix: str = "") -> list[Metric]:
+    """The metrics a stats struct's annotated fields declare, in field order."""
+    found = []
+    hints = typing.get_type_hints(struct, include_extras=True)
+    for field in struct.__struct_fields__:  # type: ignore[attr-defined]
+        marks = [m for m in getattr(hints[field], "__metadata__", ()) if isinstance(m, Published)]
+        for mark in marks:
+            keys = UNFULFILLED_REASONS if "{key}" in mark.name else ("",)
+            for key in keys:
+                name = f"hicache_{mark.name.format(key=key)}"
+                found.append(
+                    Metric(
+                        name=name + ("_total" if mark.kind == "counter" else ""),
+                        kind=mark.kind,
+                        help=mark.help.format(key=key.replace("_", " ")),
+                        source=f"{prefix}{field}" + (f"_{key}" if key else ""),
+                    )
+                )
+    return found
+
+
 METRICS: tuple[Metric, ...] = (
-    # L1 / L2 (the cache)
-    _counter(
-        "device_hit_tokens", "cache_device_hit_tokens", "Prompt tokens served from L1 (tokens)"
+    *_published(CacheStats, prefix="cache_"),
+    *[m for m in _published(ControllerStats) if m.kind == "counter"],
+    *[m for m in _published(ControllerStats) if m.kind == "gauge"],
+    Metric(
+        name="hicache_queued_requests",
+        kind="gauge",
+        help="Requests waiting in rank 0's admission queue (requests)",
+        source="queued",
     ),
-    _counter(
-        "host_hit_tokens",
-        "cache_host_hit_tokens",
-        "Prompt tokens loaded from L2, L3 refills included (tokens)",
-    ),
-    _counter("l2_to_l1_pages", "cache_loaded_pages", "Pages copied L2 -> L1 (pages)"),
-    _counter("l2_to_l1_bytes", "cache_bytes_loaded", "Bytes copied L2 -> L1 (bytes)"),
-    _counter("l2_to_l1_copies", "cache_loads", "L2 -> L1 copy jobs (copies)"),
-    _counter(
-        "l2_to_l1_seconds", "cache_load_latency_s", "Time spent in L2 -> L1 copy jobs (seconds)"
-    ),
-    _counter("l1_to_l2_pages", "cache_written_pages", "Pages copied L1 -> L2 (pages)"),
-    _counter("l1_to_l2_bytes", "cache_bytes_written", "Bytes copied L1 -> L2 (bytes)"),
-    _counter("l1_to_l2_copies", "cache_writes", "L1 -> L2 copy jobs (copies)"),
-    _counter(
-        "l1_to_l2_seconds", "cache_write_latency_s", "Time spent in L1 -> L2 copy jobs (seconds)"
-    ),
-    _counter("l1_evicted_pages", "cache_device_evicted_pages", "Pages evicted from L1 (pages)"),
-    _counter("l2_evicted_pages", "cache_host_evicted_pages", "Pages evicted from L2 (pages)"),
-    _counter("l2_to_l1_failures", "cache_load_failures", "L2 -> L1 copies that failed (copies)"),
-    _counter("l1_to_l2_failures", "cache_write_failures", "L1 -> L2 copies that failed (copies)"),
-    _counter(
-        "l2_to_l1_skipped_l1_full",
-        "cache_load_skipped_device_full",
-        "Loads skipped: L1 had no room (loads)",
-    ),
-    _counter(
-        "l1_to_l2_skipped_l2_full",
-        "cache_write_skipped_host_full",
-        "Writes skipped: L2 had no room (writes)",
-    ),
-    # Steps and requests
-    _counter("steps", "steps", "Scheduler steps (steps)"),
-    _counter("full_steps", "full_steps", "Steps where some rank had new facts (steps)"),
-    _counter("consensus_seconds", "consensus_s", "Time in the cross-rank agreement (seconds)"),
-    _counter("requests", "requests", "Requests admitted (requests)"),
-    # L3
-    _counter(
-        "l3_hit_tokens",
-        "storage_hit_tokens",
-        "Prompt tokens taken from L3, agreed by every rank (tokens)",
-    ),
-    _counter("l3_prefetched_pages", "prefetched_pages", "Pages read from L3 on this rank (pages)"),
-    _counter("l3_prefetched_bytes", "prefetched_bytes", "Bytes read from L3 on this rank (bytes)"),
-    _counter(
-        "l3_prefetch_wait_seconds",
-        "prefetch_latency_s",
-        "Admission to take, summed over prefetched requests (seconds)",
-    ),
-    _counter(
-        "l3_query_failures", "prefetch_query_failures", "L3 existence queries that failed (queries)"
-    ),
-    *(
-        _counter(
-            f"l3_unfulfilled_tokens_{reason}",
-            f"unfulfilled_tokens_{reason}",
-            f"L3 hit tokens not prefetched: {reason.replace('_', ' ')} (tokens)",
-        )
-        for reason in UNFULFILLED_REASONS
-    ),
-    _counter(
-        "l3_refills_dropped",
-        "refills_dropped",
-        "L3 refills dropped under a node not backed up (refills)",
-    ),
-    _counter(
-        "l3_backed_up_pages",
-        "backed_up_pages",
-        "Pages stored (or found stored) in L3 by every rank (pages)",
-    ),
-    _counter("l3_backup_bytes", "backup_bytes", "Bytes written to L3 (bytes)"),
-    _counter(
-        "l3_backup_failures", "backup_failures", "Backups that stopped early on some rank (backups)"
-    ),
-    _counter(
-        "l3_backup_skipped_gap",
-        "backup_skipped_gap",
-        "Backups skipped: the parent page is not in L3 (backups)",
-    ),
-    _counter(
-        "peer_failures",
-        "peer_failures",
-        "Steps where another rank reported a failure this rank did not (steps)",
-    ),
-    # Levels
-    _gauge("l1_pages_used", "device_pages_used", "L1 pages in use (pages)"),
-    _gauge("l1_pages", "device_pages_total", "L1 pages (pages)"),
-    _gauge("l2_pages_used", "host_pages_used", "L2 pages in use (pages)"),
-    _gauge("l2_pages", "host_pages_total", "L2 pages (pages)"),
-    _gauge(
-        "l2_pages_prefetching",
-        "host_pages_prefetching",
-        "L2 pages held by running L3 prefetches (pages)",
-    ),
-    _gauge("l3_running_prefetches", "running_prefetches", "L3 prefetches in flight (prefetches)"),
-    _gauge("l3_pending_backups", "pending_backups", "L3 backups queued or in flight (backups)"),
-    _gauge("queued_requests", "queued", "Requests waiting in rank 0's admission queue (requests)"),
     # Latencies
     _histogram(
         "time_to_first_token_seconds", "ttft_s", "Admission to first token, per request (seconds)"

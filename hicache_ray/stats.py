@@ -8,11 +8,20 @@ publishes (every field is documented in the README's metrics table).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-__all__ = ["UNFULFILLED_REASONS", "CacheStats", "ControllerStats", "RankHealth"]
+__all__ = [
+    "UNFULFILLED_REASONS",
+    "CacheStats",
+    "ControllerStats",
+    "Published",
+    "RankHealth",
+    "counter",
+    "gauge",
+]
 
 # Why pages L3 holds were not prefetched (one metric each: docs/metrics.md).
 UNFULFILLED_REASONS = (
@@ -24,25 +33,66 @@ UNFULFILLED_REASONS = (
 )
 
 
-class CacheStats(msgspec.Struct, kw_only=True):
-    """Counts since the cache started (L1 and L2)."""
+@dataclass(frozen=True)
+class Published:
+    """How a stats field is published as a metric (:mod:`hicache_ray.metrics` reads these
+    annotations: a new counter is one annotated field). ``name`` is without the
+    ``hicache_`` prefix and a counter's ``_total``; a dict field is one metric per key
+    (``{key}`` in the name and help)."""
 
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    loaded_pages: int = 0
-    written_pages: int = 0
-    bytes_loaded: int = 0
-    bytes_written: int = 0
-    loads: int = 0
-    writes: int = 0
-    load_latency_s: float = 0.0  # summed over ``loads``
-    write_latency_s: float = 0.0  # summed over ``writes``
-    device_evicted_pages: int = 0
-    host_evicted_pages: int = 0
-    load_failures: int = 0
-    write_failures: int = 0
-    load_skipped_device_full: int = 0
-    write_skipped_host_full: int = 0
+    kind: Literal["counter", "gauge"]
+    name: str
+    help: str
+
+
+def counter(name: str, text: str) -> Published:
+    return Published("counter", name, text)
+
+
+def gauge(name: str, text: str) -> Published:
+    return Published("gauge", name, text)
+
+
+class CacheStats(msgspec.Struct, kw_only=True):
+    """Counts since the cache started (L1 and L2); latencies are summed over their copies."""
+
+    device_hit_tokens: Annotated[
+        int, counter("device_hit_tokens", "Prompt tokens served from L1 (tokens)")
+    ] = 0
+    host_hit_tokens: Annotated[
+        int,
+        counter("host_hit_tokens", "Prompt tokens loaded from L2, L3 refills included (tokens)"),
+    ] = 0
+    loaded_pages: Annotated[int, counter("l2_to_l1_pages", "Pages copied L2 -> L1 (pages)")] = 0
+    bytes_loaded: Annotated[int, counter("l2_to_l1_bytes", "Bytes copied L2 -> L1 (bytes)")] = 0
+    loads: Annotated[int, counter("l2_to_l1_copies", "L2 -> L1 copy jobs (copies)")] = 0
+    load_latency_s: Annotated[
+        float, counter("l2_to_l1_seconds", "Time spent in L2 -> L1 copy jobs (seconds)")
+    ] = 0.0
+    written_pages: Annotated[int, counter("l1_to_l2_pages", "Pages copied L1 -> L2 (pages)")] = 0
+    bytes_written: Annotated[int, counter("l1_to_l2_bytes", "Bytes copied L1 -> L2 (bytes)")] = 0
+    writes: Annotated[int, counter("l1_to_l2_copies", "L1 -> L2 copy jobs (copies)")] = 0
+    write_latency_s: Annotated[
+        float, counter("l1_to_l2_seconds", "Time spent in L1 -> L2 copy jobs (seconds)")
+    ] = 0.0
+    device_evicted_pages: Annotated[
+        int, counter("l1_evicted_pages", "Pages evicted from L1 (pages)")
+    ] = 0
+    host_evicted_pages: Annotated[
+        int, counter("l2_evicted_pages", "Pages evicted from L2 (pages)")
+    ] = 0
+    load_failures: Annotated[
+        int, counter("l2_to_l1_failures", "L2 -> L1 copies that failed (copies)")
+    ] = 0
+    write_failures: Annotated[
+        int, counter("l1_to_l2_failures", "L1 -> L2 copies that failed (copies)")
+    ] = 0
+    load_skipped_device_full: Annotated[
+        int, counter("l2_to_l1_skipped_l1_full", "Loads skipped: L1 had no room (loads)")
+    ] = 0
+    write_skipped_host_full: Annotated[
+        int, counter("l1_to_l2_skipped_l2_full", "Writes skipped: L2 had no room (writes)")
+    ] = 0
 
     def snapshot(self) -> CacheStats:
         """An independent copy."""
@@ -53,31 +103,72 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     """One rank's full picture: L1/L2 counters, L3 pipelines, consensus, pool gauges."""
 
     cache: CacheStats
-    steps: int = 0
-    full_steps: int = 0  # steps where some rank had new facts (the full vector exchanged)
-    consensus_s: float = 0.0  # time in collectives, summed over steps
-    requests: int = 0
-    storage_hit_tokens: int = 0  # agreed L3 tokens the requests took
-    prefetched_pages: int = 0  # pages read from L3 on this rank (taken or not)
-    prefetched_bytes: int = 0
-    prefetch_latency_s: float = 0.0  # admission to take, summed over prefetched requests
-    prefetch_query_failures: int = 0
-    unfulfilled_tokens: dict[str, int] = msgspec.field(
-        default_factory=lambda: dict.fromkeys(UNFULFILLED_REASONS, 0)
-    )
-    refills_dropped: int = 0  # refills under a node not backed up (write_through)
-    backed_up_pages: int = 0  # pages stored (or found stored) in L3, agreed by every rank
-    backup_bytes: int = 0
-    backup_failures: int = 0  # backups that stopped early on some rank (by reason below)
-    backup_skipped_gap: int = 0  # backups skipped because the parent is not stored
-    peer_failures: int = 0  # steps where another rank reported a failure this rank did not
-    device_pages_used: int = 0
-    device_pages_total: int = 0
-    host_pages_used: int = 0
-    host_pages_total: int = 0
-    host_pages_prefetching: int = 0
-    running_prefetches: int = 0
-    pending_backups: int = 0
+    steps: Annotated[int, counter("steps", "Scheduler steps (steps)")] = 0
+    full_steps: Annotated[
+        int, counter("full_steps", "Steps where some rank had new facts (steps)")
+    ] = 0
+    consensus_s: Annotated[
+        float, counter("consensus_seconds", "Time in the cross-rank agreement (seconds)")
+    ] = 0.0
+    requests: Annotated[int, counter("requests", "Requests admitted (requests)")] = 0
+    storage_hit_tokens: Annotated[
+        int, counter("l3_hit_tokens", "Prompt tokens taken from L3, agreed by every rank (tokens)")
+    ] = 0
+    prefetched_pages: Annotated[
+        int, counter("l3_prefetched_pages", "Pages read from L3 on this rank (pages)")
+    ] = 0
+    prefetched_bytes: Annotated[
+        int, counter("l3_prefetched_bytes", "Bytes read from L3 on this rank (bytes)")
+    ] = 0
+    prefetch_latency_s: Annotated[
+        float,
+        counter(
+            "l3_prefetch_wait_seconds",
+            "Admission to take, summed over prefetched requests (seconds)",
+        ),
+    ] = 0.0
+    prefetch_query_failures: Annotated[
+        int, counter("l3_query_failures", "L3 existence queries that failed (queries)")
+    ] = 0
+    unfulfilled_tokens: Annotated[
+        dict[str, int],
+        counter("l3_unfulfilled_tokens_{key}", "L3 hit tokens not prefetched: {key} (tokens)"),
+    ] = msgspec.field(default_factory=lambda: dict.fromkeys(UNFULFILLED_REASONS, 0))
+    refills_dropped: Annotated[
+        int,
+        counter("l3_refills_dropped", "L3 refills dropped under a node not backed up (refills)"),
+    ] = 0
+    backed_up_pages: Annotated[
+        int,
+        counter("l3_backed_up_pages", "Pages stored (or found stored) in L3 by every rank (pages)"),
+    ] = 0
+    backup_bytes: Annotated[int, counter("l3_backup_bytes", "Bytes written to L3 (bytes)")] = 0
+    backup_failures: Annotated[
+        int, counter("l3_backup_failures", "Backups that stopped early on some rank (backups)")
+    ] = 0
+    backup_skipped_gap: Annotated[
+        int,
+        counter("l3_backup_skipped_gap", "Backups skipped: the parent page is not in L3 (backups)"),
+    ] = 0
+    peer_failures: Annotated[
+        int,
+        counter(
+            "peer_failures", "Steps where another rank reported a failure this rank did not (steps)"
+        ),
+    ] = 0
+    device_pages_used: Annotated[int, gauge("l1_pages_used", "L1 pages in use (pages)")] = 0
+    device_pages_total: Annotated[int, gauge("l1_pages", "L1 pages (pages)")] = 0
+    host_pages_used: Annotated[int, gauge("l2_pages_used", "L2 pages in use (pages)")] = 0
+    host_pages_total: Annotated[int, gauge("l2_pages", "L2 pages (pages)")] = 0
+    host_pages_prefetching: Annotated[
+        int, gauge("l2_pages_prefetching", "L2 pages held by running L3 prefetches (pages)")
+    ] = 0
+    running_prefetches: Annotated[
+        int, gauge("l3_running_prefetches", "L3 prefetches in flight (prefetches)")
+    ] = 0
+    pending_backups: Annotated[
+        int, gauge("l3_pending_backups", "L3 backups queued or in flight (backups)")
+    ] = 0
 
 
 class RankStats(msgspec.Struct, kw_only=True):
