@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 from collections.abc import Iterator
 
@@ -25,6 +24,7 @@ from hicache_ray.keys import ShardPlan
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
 from hicache_ray.tree import TreeNode
+from hicache_ray.workers import InboxWorker
 
 __all__ = ["BackupPipeline", "BackupTask", "lower_priority"]
 
@@ -69,29 +69,30 @@ class BackupTask:
         return task
 
 
-class BackupWorker(threading.Thread):
+class BackupWorker(InboxWorker[BackupTask]):
     """Stores the pages of each task, leading pages first, stopping at the first failure."""
 
     def __init__(self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch: int):
-        super().__init__(name="hicache-backup", daemon=True)
-        self.inbox: queue.SimpleQueue[BackupTask | None] = queue.SimpleQueue()
+        super().__init__("hicache-backup")
         self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
         self.open = threading.Event()  # cleared while the rank computes (see ``paused``)
         self.open.set()
 
-    def run(self) -> None:
+    def starting(self) -> None:
         lower_priority()  # backups are background work: prefills and decodes go first
-        while (task := self.inbox.get()) is not None:
-            try:
-                if task.parent is not None and not task.parent.ok:
-                    task.failure = "parent_not_stored"
-                else:
-                    self._store(task)
-            except Exception as exc:
-                log.warning("backup failed: %s", exc)
-                task.failure = "write_failed"
-            finally:
-                task.finished.set()
+
+    def handle(self, task: BackupTask) -> None:
+        if task.parent is not None and not task.parent.ok:
+            task.failure = "parent_not_stored"
+        else:
+            self._store(task)
+
+    def failed(self, task: BackupTask, exc: Exception) -> None:
+        log.warning("backup failed: %s", exc)
+        task.failure = "write_failed"
+
+    def finished(self, task: BackupTask) -> None:
+        task.finished.set()
 
     def _store(self, task: BackupTask) -> None:
         plan = self._plan

@@ -17,7 +17,6 @@ worker will touch its slots again; slots freed before that wait behind it as a f
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterator
 
@@ -26,6 +25,7 @@ import torch
 from hicache_ray.keys import ShardPlan, page_hashes
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
+from hicache_ray.workers import InboxWorker
 
 __all__ = ["FetchTask", "PrefetchPipeline"]
 
@@ -69,27 +69,26 @@ def _nothing() -> None:
     pass
 
 
-class QueryWorker(threading.Thread):
+class QueryWorker(InboxWorker[FetchTask]):
     """Hashes pages and counts leading stored pages past each task's local hit."""
 
     def __init__(self, storage: StorageBackend, plan: ShardPlan, page_size: int, batch: int):
-        super().__init__(name="hicache-prefetch-query", daemon=True)
-        self.inbox: queue.SimpleQueue[FetchTask | None] = queue.SimpleQueue()
+        super().__init__("hicache-prefetch-query")
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
         self.progress: Callable[[], None] = _nothing  # see PrefetchPipeline.on_progress
 
-    def run(self) -> None:
-        while (task := self.inbox.get()) is not None:
-            try:
-                task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
-                task.local_total = task.start_page + self._leading(task)
-            except Exception as exc:  # a broken backend is a miss, never a failed request
-                log.warning("prefetch query failed: %s", exc)
-                task.failure = "query_failed"
-                task.local_total = task.start_page
-            finally:
-                task.queried.set()
-                self.progress()
+    def handle(self, task: FetchTask) -> None:
+        task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
+        task.local_total = task.start_page + self._leading(task)
+
+    def failed(self, task: FetchTask, exc: Exception) -> None:
+        log.warning("prefetch query failed: %s", exc)  # a miss, never a failed request
+        task.failure = "query_failed"
+        task.local_total = task.start_page
+
+    def finished(self, task: FetchTask) -> None:
+        task.queried.set()
+        self.progress()
 
     def _leading(self, task: FetchTask) -> int:
         found = 0
@@ -106,26 +105,25 @@ class QueryWorker(threading.Thread):
         return found
 
 
-class ReadWorker(threading.Thread):
+class ReadWorker(InboxWorker[FetchTask]):
     """Reads and verifies pages into the host slots of each task, leading pages first."""
 
     def __init__(self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch: int):
-        super().__init__(name="hicache-prefetch-read", daemon=True)
-        self.inbox: queue.SimpleQueue[FetchTask | None] = queue.SimpleQueue()
+        super().__init__("hicache-prefetch-read")
         self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
         self._staging: list[torch.Tensor] = []  # for objects not contiguous in the pool
         self.progress: Callable[[], None] = _nothing  # see PrefetchPipeline.on_progress
 
-    def run(self) -> None:
-        while (task := self.inbox.get()) is not None:
-            try:
-                self._read(task)
-            except Exception as exc:
-                log.warning("prefetch read failed: %s", exc)
-                task.failure = "read_failed"
-            finally:
-                task.read_finished.set()
-                self.progress()
+    def handle(self, task: FetchTask) -> None:
+        self._read(task)
+
+    def failed(self, task: FetchTask, exc: Exception) -> None:
+        log.warning("prefetch read failed: %s", exc)
+        task.failure = "read_failed"
+
+    def finished(self, task: FetchTask) -> None:
+        task.read_finished.set()
+        self.progress()
 
     def _stage(self, spare: Iterator[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
         """A staging buffer of ``shape``: reused across batches (fresh large buffers cost a

@@ -15,7 +15,6 @@ sides are copied as one slice.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ import torch
 from hicache_ray.errors import TransferError
 from hicache_ray.memory.device_pool import DevicePool
 from hicache_ray.memory.host_pool import HostPool
+from hicache_ray.workers import InboxWorker
 
 __all__ = ["Direction", "Transfer", "TransferEngine", "page_runs"]
 
@@ -161,27 +161,26 @@ class _Part:
         self.runs = runs
 
 
-class _CopyWorker(threading.Thread):
+class _CopyWorker(InboxWorker["_Part"]):
     """Copies the parts queued to it, layer by layer, in submission order."""
 
     def __init__(self, engine: TransferEngine, index: int) -> None:
-        super().__init__(name=f"hicache-copy-{index}", daemon=True)
+        super().__init__(f"hicache-copy-{index}")
         self._engine = engine
-        self.inbox: queue.SimpleQueue[_Part | None] = queue.SimpleQueue()
         self._stream = (
             torch.cuda.Stream()  # type: ignore[no-untyped-call]
             if engine.device.type == "cuda"
             else None
         )
 
-    def run(self) -> None:
-        while (part := self.inbox.get()) is not None:
-            try:
-                self._copy(part)
-            except BaseException as exc:
-                part.transfer._fail(exc)
-            finally:
-                part.transfer._part_end()
+    def handle(self, part: _Part) -> None:
+        self._copy(part)
+
+    def failed(self, part: _Part, exc: Exception) -> None:
+        part.transfer._fail(exc)
+
+    def finished(self, part: _Part) -> None:
+        part.transfer._part_end()
 
     def _copy(self, part: _Part) -> None:
         engine, t = self._engine, part.transfer
