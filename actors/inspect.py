@@ -8,12 +8,13 @@ connected to the cluster (``hicache-ray stats``) can find and ask them.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import ray
 
 from actors.shards import NAMESPACE
+from hicache_ray.stats import ShardStats
 
 __all__ = ["cluster_stats", "object_store_usage"]
 
@@ -45,16 +46,16 @@ def cluster_stats(timeout_s: float = 10.0) -> dict[str, Any]:
             members.append({"rank": rank, **_ask(name, timeout_s)})
         out["deployments"][dep] = {"generation": generation, "ranks": members}
     for store, names in sorted(shards.items()):
-        total: dict[str, Any] = {"shards": len(names)}
+        counts = ShardStats()
+        errors: list[str] = []
         for name in names:
             try:
                 actor = ray.get_actor(name, namespace=NAMESPACE)
-                counts: Any = ray.get(actor.stats.remote(), timeout=timeout_s)
-                for key, value in counts.items():
-                    total[key] = total.get(key, 0) + value
+                counts += cast(ShardStats, ray.get(actor.stats.remote(), timeout=timeout_s))
             except Exception as exc:
-                total.setdefault("errors", []).append(f"{name}: {exc!r}")
-        out["stores"][store] = total
+                errors.append(f"{name}: {exc!r}")
+        total = {"shards": len(names), **msgspec.to_builtins(counts)}
+        out["stores"][store] = {**total, "errors": errors} if errors else total
     return out
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import ray
 
+from hicache_ray.stats import ShardStats
+
 __all__ = ["PageShard"]
 
 _ADOPT_TIMEOUT_S = 60.0  # a writer's object that cannot be fetched by then is lost
@@ -207,17 +209,17 @@ class PageShard:
             self._bytes = 0
         del dropped
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> ShardStats:
         with self._lock:
-            return {
-                "objects": len(self._objects),
-                "keys": len(self._index),
-                "bytes": self._bytes,
-                "capacity_bytes": self.capacity_bytes,
-                "evicted_objects": self._evicted_objects,
-                "lost_objects": self._lost_objects,
-                "adopting": self._num_pending(),
-            }
+            return ShardStats(
+                objects=len(self._objects),
+                keys=len(self._index),
+                bytes=self._bytes,
+                capacity_bytes=self.capacity_bytes,
+                evicted_objects=self._evicted_objects,
+                lost_objects=self._lost_objects,
+                adopting=self._num_pending(),
+            )
 
     def _drop_lru(self) -> _Object:
         """Evict the least recently used object (caller holds ``_lock``)."""

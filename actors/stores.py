@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from typing import Any, cast
+from typing import cast
 
 import msgspec
 import ray
@@ -20,6 +20,7 @@ import ray
 from actors.ray_store import RayObjects
 from actors.shards import NAMESPACE, mark_dropped, shard_name
 from hicache_ray.config import RayStorageOptions
+from hicache_ray.stats import ShardStats
 
 __all__ = [
     "StoreInfo",
@@ -33,27 +34,17 @@ __all__ = [
 _SHARD = re.compile(r"^hicache-l3-(?P<store>.+)-(?P<shard>\d+)$")
 
 
-class StoreInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """One store as its shards report it.
+class StoreInfo(ShardStats, kw_only=True):
+    """One store as its shards report it: their counts summed (:class:`ShardStats`).
 
     Attributes:
         name: the store's name (``RayStorageOptions.name``).
-        shards: shard actors found; objects / keys / bytes: summed over them;
-        capacity_bytes: the store's budget (0: none); evicted_objects: summed;
-        lost_objects: writers' objects lost before their shard owned them (the writer
-        died first); adopting: objects the shards are still copying into their own;
+        shards: shard actors found.
         errors: shards that did not answer, with why.
     """
 
     name: str
     shards: int
-    objects: int = 0
-    keys: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    evicted_objects: int = 0
-    lost_objects: int = 0
-    adopting: int = 0
     errors: list[str] = msgspec.field(default_factory=list)
 
 
@@ -69,18 +60,16 @@ def list_stores(timeout_s: float = 10.0) -> list[StoreInfo]:
     """Every store in the connected cluster, by name."""
     out = []
     for store, names in sorted(_shards_by_store().items()):
-        totals: dict[str, Any] = {"name": store, "shards": len(names)}
+        totals = ShardStats()
         errors: list[str] = []
         for name in sorted(names):
             try:
                 actor = ray.get_actor(name, namespace=NAMESPACE)
-                answer = cast(dict[str, int], ray.get(actor.stats.remote(), timeout=timeout_s))
+                totals += cast(ShardStats, ray.get(actor.stats.remote(), timeout=timeout_s))
             except Exception as exc:
                 errors.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
-                continue
-            for key, value in answer.items():
-                totals[key] = totals.get(key, 0) + value
-        out.append(msgspec.convert({**totals, "errors": errors}, StoreInfo))
+        counts = msgspec.to_builtins(totals)
+        out.append(StoreInfo(name=store, shards=len(names), errors=errors, **counts))
     return out
 
 
@@ -114,14 +103,13 @@ def clear_store(options: RayStorageOptions) -> None:
         store.close()
 
 
-def store_stats(options: RayStorageOptions) -> dict[str, int]:
+def store_stats(options: RayStorageOptions) -> ShardStats:
     """Objects, keys and bytes of store ``options.name``, summed over its shards."""
     store = RayObjects(options)
-    total: dict[str, int] = {}
+    total = ShardStats()
     try:
         for shard in range(store.num_shards):
-            for key, value in store.call(shard, "stats").items():
-                total[key] = total.get(key, 0) + value
+            total += store.call(shard, "stats")
     finally:
         store.close()
     return total

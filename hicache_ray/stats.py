@@ -19,6 +19,7 @@ __all__ = [
     "ControllerStats",
     "Published",
     "RankHealth",
+    "ShardStats",
     "counter",
     "gauge",
 ]
@@ -169,6 +170,29 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     pending_backups: Annotated[
         int, gauge("l3_pending_backups", "L3 backups queued or in flight (backups)")
     ] = 0
+
+
+class ShardStats(msgspec.Struct, kw_only=True):
+    """One L3 shard's counts (``PageShard.stats``), or a store's summed over its shards.
+
+    Attributes:
+        objects / keys / bytes: what it holds; capacity_bytes: its budget (0: none).
+        evicted_objects: dropped past the budget; lost_objects: gone with their owner.
+        adopting: written objects whose own copies are still being made.
+    """
+
+    objects: int = 0
+    keys: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    evicted_objects: int = 0
+    lost_objects: int = 0
+    adopting: int = 0
+
+    def __add__(self, other: ShardStats) -> ShardStats:
+        return ShardStats(
+            **{f: getattr(self, f) + getattr(other, f) for f in self.__struct_fields__}
+        )
 
 
 class RankStats(msgspec.Struct, kw_only=True):

@@ -77,14 +77,14 @@ def test_pages_of_a_batch_share_objects_of_bounded_size(options) -> None:
     page_bytes = page.numel() * page.element_size()
     _backend(options, plan).put(page_keys(plan, 16), make_pages(plan, 16))
     stats = stores.store_stats(options)
-    assert stats["keys"] == 16 and stats["objects"] == 2  # one object per shard
+    assert stats.keys == 16 and stats.objects == 2  # one object per shard
     small = RayStorageOptions(
         name=f"store{next(_names)}", num_shards=2, object_bytes=page_bytes * 3
     )
     try:
         _backend(small, plan).put(page_keys(plan, 16), make_pages(plan, 16))
         stats = stores.store_stats(small)
-        assert stats["keys"] == 16 and 6 <= stats["objects"] <= 8  # <= 3 pages per object
+        assert stats.keys == 16 and 6 <= stats.objects <= 8  # <= 3 pages per object
     finally:
         stores.drop_store(small.name)
 
@@ -128,7 +128,7 @@ def test_budget_evicts_whole_objects_least_recently_used(options) -> None:
         assert backend.put(batches[2], make_pages(plan, 4, seed=2)) == 4  # evicts batch 1
         assert [backend.exists(b) for b in batches] == [4, 0, 4]
         stats = stores.store_stats(opts)
-        assert stats["evicted_objects"] == 1 and stats["bytes"] <= opts.capacity_bytes
+        assert stats.evicted_objects == 1 and stats.bytes <= opts.capacity_bytes
         too_big = make_pages(plan, 12, seed=3)
         assert backend.put(page_keys(plan, 12, seed=3), too_big) == 0
         assert backend.stats().put_failures == 1  # the batch ends at its first failure
@@ -146,7 +146,7 @@ def test_object_store_returns_to_baseline_after_eviction_and_clear(options) -> N
     # The shards hold the pages in objects of their own (Ray's usage figures lag, and
     # objects of earlier tests may still be draining: they cannot tell this alone).
     stats = stores.store_stats(options)
-    assert stats["objects"] >= 2 and stats["keys"] == 3 * 64
+    assert stats.objects >= 2 and stats.keys == 3 * 64
     stores.clear_store(options)
 
     def drained() -> bool:
