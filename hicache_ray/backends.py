@@ -15,7 +15,13 @@ from typing import Any
 
 from hicache_ray.errors import ConfigError
 
-__all__ = ["backend_names", "is_backend_path", "load_factory", "register_backend"]
+__all__ = [
+    "backend_names",
+    "check_backend_name",
+    "is_backend_path",
+    "load_factory",
+    "register_backend",
+]
 
 _REGISTRY: dict[str, str | Callable[..., Any]] = {
     "none": "hicache_ray.storage.registry:null_backend",
@@ -49,14 +55,9 @@ def is_backend_path(name: str) -> bool:
     return bool(sep and module and attr.isidentifier())
 
 
-def load_factory(name: str) -> Callable[..., Any]:
-    """The factory of backend ``name`` (a registered name or a path), imported if needed.
-
-    Raises:
-        ConfigError: the name is not registered, or its path does not import.
-    """
-    entry = _REGISTRY.get(name, name if is_backend_path(name) else None)
-    if entry is None:
+def check_backend_name(name: str) -> None:
+    """Raise ``ConfigError`` unless ``name`` is registered or a path."""
+    if name not in _REGISTRY and not is_backend_path(name):
         raise ConfigError(
             "storage_backend",
             name,
@@ -64,6 +65,16 @@ def load_factory(name: str) -> Callable[..., Any]:
             f"use one of {', '.join(backend_names())}, a 'module:attribute' path, "
             "or register_backend() yours first",
         )
+
+
+def load_factory(name: str) -> Callable[..., Any]:
+    """The factory of backend ``name`` (a registered name or a path), imported if needed.
+
+    Raises:
+        ConfigError: the name is not registered, or its path does not import.
+    """
+    check_backend_name(name)
+    entry = _REGISTRY.get(name, name)
     if not isinstance(entry, str):
         return entry
     module, _, attr = entry.partition(":")

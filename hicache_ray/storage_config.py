@@ -8,7 +8,7 @@ from typing import Literal
 
 import msgspec
 
-from hicache_ray.backends import backend_names, is_backend_path
+from hicache_ray.backends import check_backend_name
 from hicache_ray.checks import (
     check_custom_resources,
     check_not_negative,
@@ -238,7 +238,7 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
         check_positive("storage_batch_size", self.batch_size_pages)
         _check_sizes("share_tp", self.share_tp)
         _check_sizes("share_pp", self.share_pp)
-        _check_backend_name(self.backend)
+        check_backend_name(self.backend)
         if self.backend == "file" and not self.file.root:
             raise ConfigError(
                 "file.root", self.file.root, "empty", "give a directory or a URI such as s3://b/p"
@@ -258,14 +258,3 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     def namespace_model_id(self) -> str:
         """The model id the key namespace hashes: ``model_id``, with ``@revision`` if set."""
         return f"{self.model_id}@{self.model_revision}" if self.model_revision else self.model_id
-
-
-def _check_backend_name(name: str) -> None:
-    if name not in backend_names() and not is_backend_path(name):
-        raise ConfigError(
-            "storage_backend",
-            name,
-            "no backend is registered under this name",
-            f"use one of {', '.join(backend_names())}, a 'module:attribute' path, "
-            "or register_backend() yours first",
-        )
