@@ -19,11 +19,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from apps.bench.options import FaultOptions, SoakOptions
 from apps.cli_args import (
-    FAULT_SCENARIOS,
     SERVE_OPTIONS,
+    add_flags,
     address,
-    csv_of,
     device,
     positive_float,
     positive_int,
@@ -142,23 +142,10 @@ def _deployment_benches(bsub: Any) -> None:
         bsub, "faults", "fault scenarios: wrong or failed requests, recovery", "bench_faults"
     )
     _report_flags(faults)
-    faults.add_argument(
-        "--scenarios",
-        type=csv_of(FAULT_SCENARIOS),
-        default=FAULT_SCENARIOS,
-        metavar="A,B",
-        help=f"a subset of {','.join(FAULT_SCENARIOS)}",
-    )
-    faults.add_argument("--tp", type=positive_int, default=2, help="TP size of the deployments")
-    faults.add_argument("--model", default="tiny4", help="reference model preset")
+    add_flags(faults, FaultOptions)
     soak = _command(bsub, "soak", "clients, small pools, every tier, faults", "bench_soak")
     _report_flags(soak)
-    soak.add_argument("--duration", type=positive_float, default=60.0, help="seconds of load")
-    soak.add_argument("--clients", type=positive_int, default=6, help="concurrent conversations")
-    soak.add_argument(
-        "--fault-every", type=positive_float, default=15.0, help="seconds between faults"
-    )
-    soak.add_argument("--seed", type=int, default=0)
+    add_flags(soak, SoakOptions)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -5,20 +5,24 @@ choices; the serve options come from ``hicache_ray.serve_options``. Imports noth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from hicache_ray.serve_options import SERVE_OPTIONS
 
 __all__ = [
-    "FAULT_SCENARIOS",
     "MODEL_PRESETS",
     "SERVE_OPTIONS",
     "Address",
+    "add_flags",
     "address",
     "csv_of",
     "device",
+    "flag",
+    "flag_values",
     "length_range",
     "non_negative_float",
     "non_negative_int",
@@ -29,17 +33,6 @@ __all__ = [
 # Names of hicache_ray.model.PRESETS (a test keeps them equal; importing the presets would
 # import torch, and --help must not).
 MODEL_PRESETS = ("tiny", "tiny4", "bench")
-# Scenarios of apps.bench.faults_bench (a test keeps them equal).
-FAULT_SCENARIOS = (
-    "rank_killed_admit",
-    "rank_killed_prefill",
-    "rank_killed_decode",
-    "rank_stalled",
-    "l3_shard_killed",
-    "l3_corrupt_pages",
-    "l3_write_failures",
-    "l3_slow_reads",
-)
 
 
 def _number(text: str, kind: type[int] | type[float], what: str) -> float:
@@ -141,3 +134,34 @@ def address(text: str) -> Address:
         raise argparse.ArgumentTypeError(f"{text!r} needs a port (the GCS port, 6379 by default)")
     kind = "dashboard" if split.scheme.startswith("http") else split.scheme
     return Address(text, kind, split.hostname, port)
+
+
+def flag(name: str, text: str, **argparse_kw: Any) -> dict[str, Any]:
+    """Metadata of an options field that is the CLI flag ``--name`` (help ``text``; argparse
+    keywords such as ``type`` and ``choices``): :func:`add_flags` makes the flag, showing the
+    field's default, and :func:`flag_values` reads it back. Declared once, on the field."""
+    return {"flag": (name, text, argparse_kw)}
+
+
+def add_flags(parser: argparse.ArgumentParser, options: type) -> None:
+    """A flag for every field of the dataclass ``options`` declared with :func:`flag`."""
+    for field in dataclasses.fields(options):
+        if "flag" in field.metadata:
+            name, text, kw = field.metadata["flag"]
+            if "choices" not in kw:
+                kw = {"metavar": name.upper().replace("-", "_"), **kw}
+            shown = field.default
+            if isinstance(shown, tuple):
+                shown = ",".join(map(str, shown))
+            parser.add_argument(
+                f"--{name}", dest=field.name, default=None, help=f"{text} [{shown}]", **kw
+            )
+
+
+def flag_values(args: argparse.Namespace, options: type) -> dict[str, Any]:
+    """The fields of ``options`` whose flags were given."""
+    return {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(options)
+        if "flag" in field.metadata and getattr(args, field.name, None) is not None
+    }

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from apps.cli_args import flag_values
 from apps.cli_experiments import experiment_options as options
 from apps.cli_experiments import serve_options as serve_bench_options
 from hicache_ray.errors import ConfigError
@@ -168,22 +169,19 @@ def _profiled(path: str, run: Callable[[], T]) -> T:
 
 
 def bench_faults(args: argparse.Namespace, _: None) -> int:
-    from apps.bench.faults_bench import FaultOptions, run_faults
+    from apps.bench.faults_bench import run_faults
+    from apps.bench.options import FaultOptions
 
-    opts = FaultOptions(scenarios=args.scenarios, tp_size=args.tp, model=args.model)
+    opts = FaultOptions(**flag_values(args, FaultOptions))
     figures = run_faults(opts, _log)
     return finish(args, "bench faults", dataclasses.asdict(opts), figures) or _missed(figures)
 
 
 def bench_soak(args: argparse.Namespace, _: None) -> int:
-    from apps.bench.soak import SoakOptions, run_soak
+    from apps.bench.options import SoakOptions
+    from apps.bench.soak import run_soak
 
-    opts = SoakOptions(
-        duration_s=args.duration,
-        clients=args.clients,
-        fault_every_s=args.fault_every,
-        seed=args.seed,
-    )
+    opts = SoakOptions(**flag_values(args, SoakOptions))
     figures = run_soak(opts, _log)
     return finish(args, "bench soak", dataclasses.asdict(opts), figures) or _missed(figures)
 

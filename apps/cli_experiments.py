@@ -48,32 +48,38 @@ QUICK: dict[str, Any] = {
     "device_tokens": 256,
     "check": 2,
 }
-# Defaults shown in --help (ExperimentOptions' own; a test keeps them equal).
-_DEFAULTS: dict[str, Any] = {
-    "clients": 12,
-    "rounds": 3,
-    "continue_rounds": 2,
-    "system_len": 256,
-    "user": "64-96",
-    "answer": "16-32",
-    "rate": 0.0,
-    "concurrency": 2,
-    "model": "bench",
-    "page_size": 16,
-    "device_tokens": 2048,
-    "host_ratio": 1.5,
-    "storage": "ray",
-    "write_policy": "write_through",
-    "prefetch_policy": "wait_complete",
-    "check": 4,
-    "seed": 0,
-}
+# The flags of ExperimentOptions' fields (their defaults are shown in --help).
+_FLAGS = (
+    "clients",
+    "rounds",
+    "continue_rounds",
+    "system_len",
+    "user",
+    "answer",
+    "rate",
+    "concurrency",
+    "model",
+    "page_size",
+    "device_tokens",
+    "host_ratio",
+    "storage",
+    "write_policy",
+    "prefetch_policy",
+    "check",
+    "seed",
+)
+
+
+def _defaults() -> dict[str, Any]:
+    from apps.multiturn.options import ExperimentOptions
+
+    return {f.name: f.default for f in dataclasses.fields(ExperimentOptions) if f.name in _FLAGS}
 
 
 def _flag(
     p: argparse.ArgumentParser, name: str, text: str, quick: dict[str, Any], **kw: Any
 ) -> None:
-    default = _DEFAULTS.get(name)
+    default = _defaults().get(name)
     shown = f" [{default}" + (f"; --quick: {quick[name]}]" if name in quick else "]")
     p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **kw)
 
@@ -122,7 +128,7 @@ def experiment_options(args: argparse.Namespace) -> Any:
     demo = args.command == "demo"
     given = {
         name: getattr(args, name)
-        for name in (*_DEFAULTS, "storage_root")
+        for name in (*_FLAGS, "storage_root")
         if getattr(args, name, None) is not None
     }
     chosen = {**(QUICK if args.quick else {}), **given}
@@ -140,18 +146,30 @@ def experiment_options(args: argparse.Namespace) -> Any:
 
 
 def add_serve_bench_flags(p: argparse.ArgumentParser) -> None:
-    """Flags of ``bench serve`` (defaults: ``ServeOptions``)."""
+    """Flags of ``bench serve`` (defaults: ``ServeOptions`` and its ``quick()``)."""
+    from apps.bench.serve_options import ServeOptions
+
+    full, quick = ServeOptions(), ServeOptions.quick()
+    exp, small = full.experiment, quick.experiment
+
+    def shown(a: object, b: object) -> str:
+        return f" [{a}" + (f"; --quick: {b}]" if b != a else "]")
+
     p.add_argument("--json", metavar="PATH", help="also write the report here (docs/cli.md)")
     p.add_argument("--png", metavar="PATH", help="the plot (default: the JSON path as .png)")
     p.add_argument("--quick", action="store_true", help="a test-sized run (tiny4 model)")
-    p.add_argument("--clients", type=positive_int, help="concurrent conversations [16; quick 4]")
-    p.add_argument("--rounds", type=positive_int, help="turns per conversation [4; quick 2]")
-    p.add_argument(
-        "--rate", type=non_negative_float, help="turns released per second; 0: closed loop [0]"
-    )
-    p.add_argument("--modes", type=csv_of(_SERVE_MODES), help="a subset, A,B [all]")
-    p.add_argument("--model", choices=MODEL_PRESETS, help="reference model [bench; quick tiny4]")
-    p.add_argument("--tp", type=positive_int, help="TP size of every deployment [1]")
+    clients = "concurrent conversations" + shown(exp.clients, small.clients)
+    p.add_argument("--clients", type=positive_int, help=clients)
+    rounds = "turns per conversation" + shown(exp.rounds, small.rounds)
+    p.add_argument("--rounds", type=positive_int, help=rounds)
+    rate = "turns released per second; 0: closed loop" + shown(full.rate, quick.rate)
+    p.add_argument("--rate", type=non_negative_float, help=rate)
+    modes = "a subset, A,B" + shown(",".join(full.modes), ",".join(quick.modes))
+    p.add_argument("--modes", type=csv_of(_SERVE_MODES), help=modes)
+    model = "reference model" + shown(exp.model, small.model)
+    p.add_argument("--model", choices=MODEL_PRESETS, help=model)
+    tp = "TP size of every deployment" + shown(exp.tp_size, small.tp_size)
+    p.add_argument("--tp", type=positive_int, help=tp)
     p.add_argument(
         "--http",
         action="store_true",

@@ -35,7 +35,7 @@ import torch
 from actors.deployment import Deployment, DeploymentError
 from actors.shards import NAMESPACE
 from actors.stores import drop_store, store_stats
-from apps.cli_args import FAULT_SCENARIOS
+from apps.bench.options import FAULT_SCENARIOS, FaultOptions
 from apps.experiments import embedded_ray, shared_storage
 from apps.multiturn.exact import recompute
 from apps.report import Figure, figure
@@ -50,28 +50,13 @@ from hicache_ray.model import preset
 from hicache_ray.runtime import GenerateRequest, RequestResult
 from hicache_ray.spec import DeploymentConfig
 
-__all__ = ["SCENARIOS", "FaultOptions", "run_faults"]
+__all__ = ["run_faults"]
 
-SCENARIOS = FAULT_SCENARIOS  # one list: the CLI checks --scenarios against it
 _STORAGE_FAULTS = {
     "l3_corrupt_pages": (Fault(op="write", kind="corrupt", probability=0.3),),
     "l3_write_failures": (Fault(op="write", kind="fail", probability=0.5),),
     "l3_slow_reads": (Fault(op="read", kind="delay", delay_s=0.2),),
 }
-
-
-@dataclass(frozen=True)
-class FaultOptions:
-    scenarios: tuple[str, ...] = SCENARIOS
-    model: str = "tiny4"
-    tp_size: int = 2
-    clients: int = 3
-    prompt_len: int = 64
-    answer_len: int = 8
-    page_size: int = 8
-    device_tokens: int = 1024
-    consensus_timeout_s: float = 3.0
-    seed: int = 0
 
 
 def _config(name: str, opts: FaultOptions, store: RayStorageOptions) -> DeploymentConfig:
@@ -211,9 +196,9 @@ def _storage_counts(deployment: Deployment) -> dict[str, int]:
 
 
 def run_faults(opts: FaultOptions, log: Callable[[str], None]) -> list[Figure]:
-    unknown = set(opts.scenarios) - set(SCENARIOS)
+    unknown = set(opts.scenarios) - set(FAULT_SCENARIOS)
     if unknown:
-        raise ValueError(f"unknown scenarios {sorted(unknown)}; use some of {SCENARIOS}")
+        raise ValueError(f"unknown scenarios {sorted(unknown)}; use some of {FAULT_SCENARIOS}")
     figures: list[Figure] = []
     with embedded_ray(opts.tp_size):
         for name in opts.scenarios:

@@ -1,14 +1,18 @@
 """What ``bench serve`` runs and what one client saw of one turn, and the figures of a mode
-(shared by the Python API and the HTTP runs)."""
+(shared by the Python API and the HTTP runs). Light: the CLI reads the defaults for
+``--help``; the report helpers load on use."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from apps.multiturn.options import ExperimentOptions
-from apps.report import Figure, figure, percentile, split_figures
 from hicache_ray.config import PrefetchConfig
-from hicache_ray.request import TTFTSplit
+
+if TYPE_CHECKING:
+    from apps.report import Figure
+    from hicache_ray.request import TTFTSplit
 
 __all__ = ["SERVE_MODES", "ServeOptions", "Turn", "mode_figures"]
 
@@ -68,6 +72,8 @@ class Turn:
 
 def mode_figures(mode: str, turns: list[Turn], wall: float) -> list[Figure]:
     """The figures ``serve.{mode}.*`` of one mode's turns."""
+    from apps.report import figure, percentile, split_figures
+
     done = [t for t in turns if not t.failed]
     ttft = [t.ttft_s * 1e3 for t in done]
     itl = [g * 1e3 for t in done for g in t.itl_s]

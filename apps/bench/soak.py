@@ -19,7 +19,6 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -27,6 +26,7 @@ import ray
 from actors.deployment import Deployment
 from actors.inspect import object_store_usage
 from actors.stores import drop_store
+from apps.bench.options import SoakOptions
 from apps.experiments import embedded_ray, shared_storage
 from apps.multiturn.exact import recompute
 from apps.report import Figure, figure
@@ -44,21 +44,6 @@ from hicache_ray.spec import DeploymentConfig
 __all__ = ["SoakOptions", "run_soak"]
 
 _DRAIN_POLL_S = 0.5  # how often the drain checks that the object store emptied
-
-
-@dataclass(frozen=True)
-class SoakOptions:
-    duration_s: float = 60.0
-    clients: int = 6
-    concurrency: int = 3
-    model: str = "tiny4"
-    page_size: int = 8
-    device_tokens: int = 512
-    turn_tokens: int = 24
-    answer_tokens: int = 6
-    fault_every_s: float = 15.0
-    check: int = 8
-    seed: int = 0
 
 
 def _config(opts: SoakOptions, store: RayStorageOptions) -> DeploymentConfig:

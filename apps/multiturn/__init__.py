@@ -1,6 +1,3 @@
-"""Multi-turn chat workloads: traces, the LRU oracle, per-round reports (no Ray needed)."""
-
-from apps.multiturn.oracle import OracleRequest, lru_hit_tokens
-from apps.multiturn.trace import Lengths, Trace, TraceConfig
-
-__all__ = ["Lengths", "OracleRequest", "Trace", "TraceConfig", "lru_hit_tokens"]
+"""Multi-turn chat workloads: traces (``trace``), the LRU oracle (``oracle``), exact
+references (``exact``), options (``options``, light: the CLI's ``--help`` reads them),
+per-round reports (``report``) and the driver of deployments (``driver``)."""

@@ -17,9 +17,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from actors.deployment import Deployment
-from apps.multiturn import OracleRequest, Trace, lru_hit_tokens
 from apps.multiturn.options import MODES
+from apps.multiturn.oracle import OracleRequest, lru_hit_tokens
 from apps.multiturn.report import RoundSummary
+from apps.multiturn.trace import Trace
 from hicache_ray.config import CacheConfig, StorageConfig, WriteConfig
 from hicache_ray.runtime import GenerateRequest, RequestResult
 

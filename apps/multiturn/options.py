@@ -1,4 +1,5 @@
-"""Options of ``hicache-ray demo`` and ``bench multiturn``: workload, capacities, policies."""
+"""Options of ``hicache-ray demo`` and ``bench multiturn``: workload, capacities, policies
+(light: the CLI reads their defaults for ``--help``; the model loads on use)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from hicache_ray.config import (
     WriteConfig,
 )
 from hicache_ray.errors import ConfigError
-from hicache_ray.model import preset
 
 __all__ = ["MODES", "ExperimentOptions"]
 
@@ -86,6 +86,8 @@ class ExperimentOptions:
             self.deployment("check", cache, tp_size=tp)  # TP / PP against the model
 
     def trace(self, rounds: int) -> Trace:
+        from hicache_ray.model import preset
+
         model = preset(self.model)
         return Trace(
             TraceConfig(
@@ -124,6 +126,7 @@ class ExperimentOptions:
 
     def deployment(self, name: str, cache: CacheConfig, **kw: Any) -> Any:
         """The ``actors.DeploymentConfig`` of one deployment of this run."""
+        from hicache_ray.model import preset
         from hicache_ray.spec import DeploymentConfig
 
         base = {"tp_size": self.tp_size, "pp_size": self.pp_size, **kw}

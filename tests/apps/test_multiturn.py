@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apps.multiturn import Lengths, OracleRequest, Trace, TraceConfig, lru_hit_tokens
+from apps.multiturn.oracle import OracleRequest, lru_hit_tokens
+from apps.multiturn.trace import Lengths, Trace, TraceConfig
 from hicache_ray.errors import ConfigError
 
 

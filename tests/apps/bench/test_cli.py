@@ -119,7 +119,7 @@ def test_bench_faults_every_scenario_survives(tmp_path: Path, ray_local: None) -
     out = tmp_path / "faults.json"
     assert main(["bench", "faults", "--json", str(out)]) == 0
     by_name: dict[str, Any] = _figures(out)
-    from apps.bench.faults_bench import SCENARIOS
+    from apps.bench.options import FAULT_SCENARIOS as SCENARIOS
 
     for scenario in SCENARIOS:
         assert by_name[f"faults.{scenario}.wrong_outputs"].value == 0
