@@ -4,7 +4,9 @@ An engine loop calls ``match`` (lock the cached prefix, start loading its host p
 ``reserve`` (device pages for the new tokens), runs its forward pass over the pool (waiting
 per layer on the load), and ``finish`` (insert the prompt and answer, apply the write
 policy). Here the engine is the reference model; a three-turn conversation reuses more of
-its history each turn, and every answer equals a from-scratch recompute.
+its history each turn, and every answer equals a from-scratch recompute (which runs a whole
+rank of ours: ``hicache_ray.compose.compose_rank`` builds its controller, model and runtime
+from a ``DeploymentConfig``, the way an engine that takes our scheduler too would).
 
     python examples/embed_core.py
 """
