@@ -17,10 +17,9 @@ import os
 import threading
 from collections.abc import Iterator
 
-import torch
-
 from hicache_ray.controller.prefetch import STAGED_BATCH_PAGES
 from hicache_ray.keys import ShardPlan
+from hicache_ray.keys.plan import ObjectSpec
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
 from hicache_ray.tree import TreeNode
@@ -48,7 +47,6 @@ class BackupTask:
         self.host_pages = host_pages
         self.parent = parent  # None: the parent is the root or already stored
         self.stored_pages = 0
-        self.skipped_pages = 0  # already in storage
         self.num_bytes = 0
         self.failure: str | None = None
         self.finished = threading.Event()  # set once the worker is done with the task
@@ -96,32 +94,48 @@ class BackupWorker(InboxWorker[BackupTask]):
 
     def _store(self, task: BackupTask) -> None:
         plan = self._plan
-        per_page = len(plan.objects)
-        keys = [k for h in task.hashes for k in plan.keys(h)]
-        present = self._storage.exists(keys) // per_page
-        task.skipped_pages = task.stored_pages = present
-        writers = [i for i, obj in enumerate(plan.objects) if obj.writer]
+        mine = [i for i, obj in enumerate(plan.objects) if obj.writer]
+        writers = [plan.objects[i] for i in mine]
+        if not writers:  # another rank writes this rank's objects
+            task.stored_pages = len(task.hashes)
+            return
+        keys = [[ks[i] for i in mine] for ks in map(plan.keys, task.hashes)]
+        # One lookup for every page of the node (not only the leading ones): the put below
+        # writes the absent pages without asking again, and present ones are never read
+        # out of the pool.
+        flat = self._storage.exists_each([k for page in keys for k in page])
+        n = len(writers)
+        missing = [not all(flat[p * n : (p + 1) * n]) for p in range(len(keys))]
         # Small batches: a pause (``paused``) takes effect quickly, and objects copied out of
         # non-contiguous layouts stay few and warm.
         batch = min(self._batch, STAGED_BATCH_PAGES)
-        for start in range(present, len(task.hashes), batch):
-            self.open.wait()
-            end = min(start + batch, len(task.hashes))
-            batch_keys: list[str] = []
-            pages: list[torch.Tensor] = []
-            for index in range(start, end):
-                slot = task.host_pages[index]
-                for i in writers:
-                    obj = plan.objects[i]
-                    batch_keys.append(keys[index * per_page + i])
-                    pages.append(self._pool.read_object(slot, obj.local_layers, obj.local_heads))
-            stored = self._storage.put(batch_keys, pages)
-            task.num_bytes += sum(p.nbytes for p in pages[:stored])
-            if stored < len(batch_keys):
-                task.stored_pages = start + stored // max(1, len(writers))
-                task.failure = "write_failed"
-                return
+        for start in range(0, len(keys), batch):
+            end = min(start + batch, len(keys))
+            todo = [p for p in range(start, end) if missing[p]]
+            if todo:
+                self.open.wait()
+                if not self._put(task, todo, keys, writers):
+                    return
             task.stored_pages = end
+
+    def _put(
+        self, task: BackupTask, todo: list[int], keys: list[list[str]], writers: list[ObjectSpec]
+    ) -> bool:
+        """Store the pages ``todo``; False (``stored_pages`` and ``failure`` set) when the
+        store took fewer."""
+        batch_keys = [k for p in todo for k in keys[p]]
+        pages = [
+            self._pool.read_object(task.host_pages[p], o.local_layers, o.local_heads)
+            for p in todo
+            for o in writers
+        ]
+        stored = self._storage.put(batch_keys, pages)
+        task.num_bytes += sum(p.nbytes for p in pages[:stored])
+        if stored < len(batch_keys):
+            task.stored_pages = todo[stored // len(writers)]
+            task.failure = "write_failed"
+            return False
+        return True
 
 
 class BackupPipeline:

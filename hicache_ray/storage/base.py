@@ -73,6 +73,18 @@ class StorageBackend(ABC):
             ValueError: a key is not a ``str`` of the key grammar.
         """
 
+    def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present, all of them answered in one lookup (a backup asks
+        this once and writes only the absent pages). This default answers from
+        :meth:`exists`: the keys after the first absent one read as absent (a write of a
+        present page is skipped by ``put`` anyway).
+
+        Raises:
+            ValueError: a key is not a ``str`` of the key grammar.
+        """
+        n = self.exists(keys)
+        return [True] * n + [False] * (len(keys) - n)
+
     @abstractmethod
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
         """Read leading pages into ``buffers`` (contiguous CPU tensors of each page's

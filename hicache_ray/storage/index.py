@@ -7,9 +7,9 @@ entry when the write succeeds (:meth:`PageIndex.commit`) or is given back
 (:meth:`PageIndex.release`). Metadata cache: a key seen present is trusted for ``ttl_s``;
 absence is never cached for lookups and reads, so pages other writers store show up at
 once. It is noted for the next write only (:meth:`PageIndex.note_absent`): a backup asks
-whether its pages exist, then writes the one seen absent without asking about it again (a
-page another writer stored meanwhile is written again, which is harmless: the same name
-holds the same bytes).
+whether each of its pages exists (``exists_each``, one lookup), then writes the ones seen
+absent without asking about them again (a page another writer stored meanwhile is written
+again, which is harmless: the same name holds the same bytes).
 
 Accounting identity (:meth:`PageIndex.check_integrity`): ``used_bytes`` equals the bytes of
 the entries plus the reservations outstanding, and the entries fit the capacity.

@@ -113,15 +113,25 @@ class PagedBackend(PageWrites, StorageBackend):
                     self._counts["get_failures"] += 1
                     return i
                 if size is None:
-                    # NOTE: the key seen absent is not asked again by the next put of it
-                    # (a backup asks exists, then puts what is missing). The keys after it
-                    # were not answered (a leading lookup stops here): nothing is assumed.
+                    # NOTE: the key seen absent is not asked again by the next put of it.
+                    # The keys after it were not answered (a leading lookup stops here):
+                    # nothing is assumed.
                     self._index.forget(key)
                     self._index.note_absent(key, now)
                     return i
                 self._index.remember(key, size, now)
                 i += 1
         return i
+
+    def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        check_keys(keys)
+        found = self._present(keys)  # shorter when a lookup failed: the rest unknown
+        now = self._clock()
+        with self._lock:
+            for key, present in zip(keys, found, strict=False):
+                if not present:  # the put that follows does not ask again
+                    self._index.note_absent(key, now)
+        return found + [False] * (len(keys) - len(found))
 
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
         self._check_tensors("buffer", keys, buffers)

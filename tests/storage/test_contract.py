@@ -54,6 +54,23 @@ def test_counts_are_of_leading_keys(backend_factory) -> None:
     assert backend.exists(keys[3:]) == 1
 
 
+def test_exists_each_answers_every_key_and_the_put_after_it_stores_the_rest(
+    backend_factory,
+) -> None:
+    backend = backend_factory()
+    plan = backend.plan
+    keys, pages = page_keys(plan, 5), make_pages(plan, 5)
+    assert backend.put([keys[1], keys[3]], [pages[1], pages[3]]) == 2
+    assert backend.exists_each(keys) == [False, True, False, True, False]
+    absent = [0, 2, 4]
+    assert backend.put([keys[i] for i in absent], [pages[i] for i in absent]) == 3
+    assert backend.exists(keys) == 5
+    out = empty_buffers(plan, 5)
+    assert backend.get(keys, out) == 5 and _equal(out, pages)
+    with pytest.raises(ValueError):
+        backend.exists_each(["../escape"])
+
+
 def test_put_of_a_present_key_is_not_rewritten(backend_factory) -> None:
     backend = backend_factory()
     plan = backend.plan
