@@ -11,6 +11,7 @@ take alone plus 10 ms (the memory store delivers by copying: the copy of the sam
 (b) Pure-miss overhead: prompts that share nothing, served with the full cache (host writes,
 L3 queries and backups on) and with it off (no storage; write_back with room to spare, so
 nothing is copied), alternating so noise hits both alike.
+(c) On TP=2 and TP=4 deployments: the rest of an L1 hit (``apps.bench.runtime_tp``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class RuntimeBenchOptions:
     repeats: int = 3
     miss_requests: int = 10
     miss_length: int = 1024
+    tp_sizes: tuple[int, ...] = (2, 4)  # deployments whose L1 hits are timed (Ray actors)
 
     @classmethod
     def quick(cls) -> RuntimeBenchOptions:
@@ -52,6 +54,7 @@ class RuntimeBenchOptions:
             repeats=2,
             miss_requests=3,
             miss_length=256,
+            tp_sizes=(),
         )
 
 
@@ -243,5 +246,14 @@ def _miss_figure(
 def run_runtime_bench(
     opts: RuntimeBenchOptions, log: Callable[[str], None] = print
 ) -> list[Figure]:
+    from apps.bench.runtime_tp import deployment_figures
+
     model = preset(opts.model)
-    return [*_tier_figures(model, opts, log), _miss_figure(model, opts, log)]
+    length, hits = max(opts.prefix_lengths), 3 * opts.repeats
+    return [
+        *_tier_figures(model, opts, log),
+        _miss_figure(model, opts, log),
+        *deployment_figures(
+            model, opts.tp_sizes, length, opts.new_tokens, opts.page_size, hits, log
+        ),
+    ]
