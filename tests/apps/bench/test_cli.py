@@ -108,6 +108,7 @@ def test_bench_runtime_quick_writes_every_figure(tmp_path: Path) -> None:
     assert by_name["runtime.l2_hit.overhead_vs_floor"].target == 1.5
     assert by_name["runtime.pure_miss.overhead_pct"].target == 3
     assert by_name["runtime.hit_rest_ms.tp1"].target == 10.0
+    assert by_name["runtime.l3_prefetch_vs_store"].target == 2.0
     assert by_name["runtime.l1.ttft_split.forward_s_p50_ms"].value > 0
     import pstats
 
@@ -166,3 +167,16 @@ def test_bench_serve_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     assert speedup.ceiling == by_name["serve.cache_speedup"].value and speedup.ratio is not None
     assert by_name["serve.http.batching_speedup"].value > 0
     assert (tmp_path / "serve.png").exists()
+
+
+def test_runtime_on_deployments_times_l1_hits_at_each_tp(ray_local: None) -> None:
+    from apps.bench.runtime_tp import deployment_figures
+    from hicache_ray.model import preset
+
+    found = deployment_figures(preset("tiny4"), (2,), 32, 8, 4, hits=2, log=lambda _: None)
+    by_name = {f.name: f for f in found}
+    assert by_name["runtime.hit_rest_ms.tp2"].target == 10.0
+    assert by_name["runtime.hit_rest_ms.tp2"].value >= 0
+    client = by_name["runtime.l1_client_ttft_ms.tp2"]
+    assert client.value > 0 and client.ceiling is not None and client.ceiling > 0
+    assert by_name["runtime.l1_tp2.ttft_split.forward_s_p50_ms"].value > 0
