@@ -121,7 +121,8 @@ def _speedups(series: list[Series], baselines: list[Series], found: list[Figure]
         with_cache = cached.rounds and figure_value(found, f"multiturn.{cached.name}.ttft_p50_ms")
         without = figure_value(found, f"multiturn.{base.name}.ttft_p50_ms")
         speedup = without / with_cache if with_cache else 0.0
-        out.append(figure(f"demo.{cached.name}.ttft_p50_speedup", speedup, "x"))
+        target = {"tp2": 2.5, "tp4": 2.0}.get(cached.name)
+        out.append(figure(f"demo.{cached.name}.ttft_p50_speedup", speedup, "x", target=target))
     return out
 
 
