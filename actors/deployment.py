@@ -210,7 +210,10 @@ class Deployment(RankSet):
         for n in range(self.config.max_retries + 1):
             self._check_open()
             try:
-                generation, rank0 = await loop.run_in_executor(self._executor, self._serving)
+                serving = self._serving_now()
+                if serving is None:  # broken or being re-formed: wait for it off the loop
+                    serving = await loop.run_in_executor(self._executor, self._serving)
+                generation, rank0 = serving
             except ReformFailed as exc:
                 attempt.cause = exc.__cause__ or exc
                 continue

@@ -65,6 +65,18 @@ class RankSet:
                 self._reform(self.generation, None)
             return self.generation, self.ranks[0]
 
+    def _serving_now(self) -> tuple[int, Any] | None:
+        """:meth:`_serving` when it needs no wait (serving, nobody forming): the request
+        path then takes no thread hop; None otherwise."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._closed.is_set() or self.state is not DeploymentState.SERVING:
+                return None
+            return self.generation, self.ranks[0]
+        finally:
+            self._lock.release()
+
     def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
         """Results of ``refs``; fails as soon as one fails, on shutdown, or at the deadline."""
         deadline = time.monotonic() + timeout_s

@@ -13,8 +13,6 @@ __all__ = ["LoopThread"]
 
 T = TypeVar("T")
 
-_DRAIN_POLL_S = 0.05
-
 
 class LoopThread:
     """A daemon thread running an event loop until :meth:`close`."""
@@ -49,9 +47,10 @@ class LoopThread:
         # hand its outcome to its caller's future (a callback on this loop) until then.
         while True:
             with self._lock:
-                if not self._pending:
-                    break
-            await asyncio.sleep(_DRAIN_POLL_S)
+                pending = list(self._pending)
+            if not pending:
+                break
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
         self.loop.stop()
 
     def _serve(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Any, get_args
 
 from apps.cli_args import (
@@ -70,6 +71,7 @@ _FLAGS = (
 )
 
 
+@functools.cache
 def _defaults() -> dict[str, Any]:
     from apps.multiturn.options import ExperimentOptions
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-from hicache_ray.stats import UNFULFILLED_REASONS, CacheStats, ControllerStats, Published
+from hicache_ray.stats import CacheStats, ControllerStats, Published
 
 __all__ = ["METRICS", "SECONDS_BUCKETS", "Metric", "markdown_table"]
 
@@ -55,8 +55,7 @@ def _published(struct: type, prefix: str = "") -> list[Metric]:
     for field in struct.__struct_fields__:  # type: ignore[attr-defined]
         marks = [m for m in getattr(hints[field], "__metadata__", ()) if isinstance(m, Published)]
         for mark in marks:
-            keys = UNFULFILLED_REASONS if "{key}" in mark.name else ("",)
-            for key in keys:
+            for key in mark.keys or ("",):
                 name = f"hicache_{mark.name.format(key=key)}"
                 found.append(
                     Metric(
@@ -71,8 +70,8 @@ def _published(struct: type, prefix: str = "") -> list[Metric]:
 
 METRICS: tuple[Metric, ...] = (
     *_published(CacheStats, prefix="cache_"),
-    *[m for m in _published(ControllerStats) if m.kind == "counter"],
-    *[m for m in _published(ControllerStats) if m.kind == "gauge"],
+    # counters first, then gauges (a stable sort keeps the field order within each)
+    *sorted(_published(ControllerStats), key=lambda m: m.kind != "counter"),
     Metric(
         name="hicache_queued_requests",
         kind="gauge",

@@ -44,10 +44,11 @@ class Published:
     kind: Literal["counter", "gauge"]
     name: str
     help: str
+    keys: tuple[str, ...] = ()  # a dict field's keys (one metric each)
 
 
-def counter(name: str, text: str) -> Published:
-    return Published("counter", name, text)
+def counter(name: str, text: str, keys: tuple[str, ...] = ()) -> Published:
+    return Published("counter", name, text, keys)
 
 
 def gauge(name: str, text: str) -> Published:
@@ -133,7 +134,11 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     ] = 0
     unfulfilled_tokens: Annotated[
         dict[str, int],
-        counter("l3_unfulfilled_tokens_{key}", "L3 hit tokens not prefetched: {key} (tokens)"),
+        counter(
+            "l3_unfulfilled_tokens_{key}",
+            "L3 hit tokens not prefetched: {key} (tokens)",
+            keys=UNFULFILLED_REASONS,
+        ),
     ] = msgspec.field(default_factory=lambda: dict.fromkeys(UNFULFILLED_REASONS, 0))
     refills_dropped: Annotated[
         int,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from apps.bench.workload import random_tokens
 from apps.report import Figure, figure, percentile, split_figures
 from hicache_ray.compose import compose_rank
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig, WriteConfig
@@ -105,11 +106,6 @@ class _Deployment:
         self.ctl.close()
 
 
-def _tokens(vocab: int, n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
 def _copy_floor_s(nbytes: int) -> float:
     src = torch.full((nbytes,), 3, dtype=torch.uint8)
     dst = torch.ones_like(src)
@@ -131,10 +127,10 @@ def _tier_figures(
         overheads: list[float] = []
         floors: list[float] = []
         objects = MemoryObjects()
-        prefix = _tokens(model.vocab_size, length, length)
+        prefix = random_tokens(model.vocab_size, length, length)
 
         def prompt(tag: int, prefix: list[int] = prefix, length: int = length) -> list[int]:
-            return prefix + _tokens(model.vocab_size, opts.new_tokens, length + 100 * tag)
+            return prefix + random_tokens(model.vocab_size, opts.new_tokens, length + 100 * tag)
 
         first = _Deployment(model, opts, objects)
         results: dict[str, list[RequestResult]] = {t: [] for t in ttft}
@@ -228,7 +224,9 @@ def _miss_figure(
     times: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(opts.miss_requests + 1):
         for name, dep in (("on", on), ("off", off)):
-            tokens = _tokens(model.vocab_size, opts.miss_length, 7_000_000 + 2 * i + len(name))
+            tokens = random_tokens(
+                model.vocab_size, opts.miss_length, 7_000_000 + 2 * i + len(name)
+            )
             ttft = dep.serve(tokens).ttft_s
             if i:  # the first pair warms up
                 times[name].append(ttft)

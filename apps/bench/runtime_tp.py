@@ -16,9 +16,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
-
 from actors.deployment import Deployment
+from apps.bench.workload import random_tokens
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile, split_figures
 from hicache_ray.config import CacheConfig, MemoryConfig, StorageConfig, WriteConfig
@@ -27,11 +26,6 @@ from hicache_ray.request import GenerateRequest, RequestResult
 from hicache_ray.spec import DeploymentConfig
 
 __all__ = ["deployment_figures"]
-
-
-def _tokens(vocab: int, n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
 def deployment_figures(
@@ -66,13 +60,15 @@ def _l1_hits(
 ) -> tuple[list[RequestResult], list[float]]:
     """The results of ``hits`` L1 hits one at a time, and each one's TTFT at the client."""
     vocab = dep.config.model.vocab_size
-    prefix = _tokens(vocab, length, length)
+    prefix = random_tokens(vocab, length, length)
     results, client = [], []
     try:
-        dep.generate([GenerateRequest("warm", prefix + _tokens(vocab, new_tokens, 1), 1)])
+        dep.generate([GenerateRequest("warm", prefix + random_tokens(vocab, new_tokens, 1), 1)])
         dep.wait_idle(timeout_s=120)  # the prefix is inserted on every rank
         for i in range(hits + 1):  # the first warms the path up
-            request = GenerateRequest(f"hit{i}", prefix + _tokens(vocab, new_tokens, 2 + i), 1)
+            request = GenerateRequest(
+                f"hit{i}", prefix + random_tokens(vocab, new_tokens, 2 + i), 1
+            )
             started = time.perf_counter()
             result = dep.generate([request])[0]
             if result.error is not None:

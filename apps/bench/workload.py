@@ -13,7 +13,13 @@ import torch
 
 from hicache_ray.layout import ShardKV
 
-__all__ = ["multi_turn_prompts", "shared_prefix_requests", "synthetic_kv"]
+__all__ = ["multi_turn_prompts", "random_tokens", "shared_prefix_requests", "synthetic_kv"]
+
+
+def random_tokens(vocab: int, n: int, seed: int) -> list[int]:
+    """``n`` token ids below ``vocab``, the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
 def synthetic_kv(

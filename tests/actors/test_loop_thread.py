@@ -13,8 +13,7 @@ def test_coroutines_run_on_the_loop_thread_and_close_waits_for_them() -> None:
     release = threading.Event()
 
     async def work(x: int) -> tuple[int, str]:
-        while not release.is_set():
-            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(None, release.wait)
         return x * 2, threading.current_thread().name
 
     futures = [io.run(work(i)) for i in range(3)]

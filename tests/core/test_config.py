@@ -159,6 +159,8 @@ def test_config_errors_survive_pickling() -> None:
         ({"capacity_bytes": -1}, "ray.capacity_bytes"),
         ({"object_bytes": 0}, "ray.object_bytes"),
         ({"timeout_s": 0.0}, "ray.timeout_s"),
+        ({"address": 5}, "ray.address"),
+        ({"address": None}, "ray.address"),
     ],
 )
 def test_bad_ray_storage_options(kwargs: dict[str, object], needle: str) -> None:
