@@ -37,6 +37,7 @@ __all__ = [
     "check_limits",
     "check_request",
     "error_result",
+    "failed_result",
 ]
 
 MAX_RID_CHARS = 256
@@ -340,12 +341,12 @@ def check_limits(
 def error_result(request: object, error: str, kind: ErrorKind = ErrorKind.INVALID) -> RequestResult:
     """An error result for ``request`` (whatever it is)."""
     rid = getattr(request, "rid", "")
-    return RequestResult(
-        rid=rid if type(rid) is str else "",
-        error=error,
-        finish_reason=FinishReason.ERROR,
-        error_kind=kind,
-    )
+    return failed_result(rid if type(rid) is str else "", error, kind)
+
+
+def failed_result(rid: str, error: str, kind: ErrorKind = ErrorKind.INVALID) -> RequestResult:
+    """An error result for the request ``rid``."""
+    return RequestResult(rid=rid, error=error, finish_reason=FinishReason.ERROR, error_kind=kind)
 
 
 def check_batch(requests: object) -> Sequence[object]:

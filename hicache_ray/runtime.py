@@ -3,10 +3,9 @@
 Every rank of a deployment runs :meth:`RankRuntime.step` in lock step; rank 0 alone takes
 :meth:`RankRuntime.submit` and :meth:`RankRuntime.abort` calls and reports results. One step:
 
-1. rank 0 checks its new requests (a bad one gets an error result at once, alone) and admits
-   the oldest ones into the controller while the device pool has room for them
-   (:class:`~hicache_ray.scheduler.Admission`); the others wait in its FIFO queue, and one
-   past ``max_queued`` is refused as overloaded;
+1. rank 0 admits the oldest of its queued requests while the device pool has room for them
+   (:class:`~hicache_ray.scheduler.RequestTable`); the others wait in its FIFO queue, and
+   one past ``max_queued`` is refused as overloaded;
 2. the controller's step agrees every fact of the step: the new requests (admitted on every
    rank, their prefetches started), the aborted ones, and which ones may run now;
 3. each runnable request takes its agreed cached prefix (loading its L2 part under the
@@ -17,7 +16,12 @@ Every rank of a deployment runs :meth:`RankRuntime.step` in lock step; rank 0 al
 5. a request that reached ``max_new_tokens``, an EOS or a stop token inserts the KV of its
    prompt and answer into the cache and releases its locks.
 
-Nothing invalid reaches a collective (requests are checked first). An exception raised while
+Every request of the rank is one :class:`~hicache_ray.scheduler.RankRequest` in one
+:class:`~hicache_ray.scheduler.RequestTable`; the controller's claim on its prefix lives in
+that record. Requests are checked at the door (:meth:`RankRuntime.submit`, or the caller's
+own door and :meth:`RankRuntime.enqueue`) and trusted inside: nothing invalid reaches a
+collective, and rank 0 broadcasts the request itself (one msgpack encoding, decoded once
+per rank). An exception raised while
 running one request fails it alone: the ranks that raised agree on it
 (:meth:`CacheController.agree_failure`; a failed batch is retried request by request); a
 rank that did not raise never joins, the others time out and the deployment re-forms.
@@ -29,11 +33,10 @@ import logging
 import time
 from collections.abc import Callable
 
-import msgspec
 import torch
 
 from hicache_ray.config import SchedulerConfig
-from hicache_ray.controller import Arrival, CacheController
+from hicache_ray.controller import CacheController, PrefixClaim
 from hicache_ray.errors import CollectiveError
 from hicache_ray.model import ReferenceModel
 from hicache_ray.model.pipe import StageExecutor
@@ -48,24 +51,15 @@ from hicache_ray.request import (
     check_limits,
     check_request,
     error_result,
+    failed_result,
 )
 from hicache_ray.sampling import RequestSampler
-from hicache_ray.scheduler import Admission, Req, plan_batch
+from hicache_ray.scheduler import Phase, RankRequest, RequestTable, plan_batch
 from hicache_ray.tree.tokens import encode_tokens
 
 __all__ = ["GenerateRequest", "RankRuntime", "RequestResult", "StepOutput"]
 
 log = logging.getLogger(__name__)
-
-
-class _Options(msgspec.Struct, frozen=True):
-    """What an arrival carries besides its tokens (rank 0 encodes, every rank decodes)."""
-
-    max_new_tokens: int
-    sampling: SamplingParams
-
-
-_OPTIONS = msgspec.msgpack.Decoder(_Options)
 
 
 class RankRuntime:
@@ -107,116 +101,113 @@ class RankRuntime:
         self.max_step_tokens = sched.max_step_tokens
         self.max_running = sched.max_running
         self.logits: dict[str, list[torch.Tensor]] = {}
-        pool = controller.cache.device_pool
-        self.admission = Admission(pool.num_pages, self.page_size, sched.max_queued)  # rank 0
+        controller.broadcast_as(GenerateRequest)  # every rank decodes our request type
+        self._pool_tokens = controller.cache.device_pool.num_tokens
+        pages = controller.cache.device_pool.num_pages
+        self.table = RequestTable(pages, self.page_size, sched.max_queued)
         self._aborts: list[str] = []  # rank 0: aborted by callers, for the next step
-        self._waiting: dict[str, Req] = {}  # admitted, not started (every rank)
-        self._running: list[Req] = []  # started, in start order (every rank)
         self._out = StepOutput()
 
     # -------------------------------------------------------------- requests
 
     def submit(self, request: object) -> None:
-        """Queue a request (rank 0); a bad one is answered with an error at the next step."""
-        if self.ctl.consensus.rank != 0:
-            raise ValueError("requests are submitted on rank 0")
+        """Check and queue a request (rank 0; the door for embedders): a bad one is
+        answered with an error result at the next step, alone."""
         try:
-            checked = self._check(request)
+            checked = self.check(request)
         except RequestError as exc:
             self._out.results.append(error_result(request, str(exc)))
             return
-        refused = self.admission.offer(checked, time.perf_counter())
+        self.enqueue(checked)
+
+    def check(self, request: object) -> GenerateRequest:
+        """``request`` checked against the model and the pool (any thread); raises
+        :class:`RequestError` naming what is wrong."""
+        r = check_request(request)
+        cfg = self.model.config
+        check_limits(r, cfg.vocab_size, self._pool_tokens, cfg.max_context)
+        return r
+
+    def enqueue(self, request: GenerateRequest) -> None:
+        """Queue a request checked at the caller's door (rank 0): one whose id is in flight,
+        or past ``max_queued``, is answered with an error result at the next step."""
+        if self.ctl.consensus.rank != 0:
+            raise ValueError("requests are submitted on rank 0")
+        refused = self.table.offer(self._record(request, time.perf_counter()))
         if refused is not None:
-            self._out.results.append(error_result(checked, refused, ErrorKind.OVERLOADED))
+            self._out.results.append(refused)
 
     def abort(self, rid: str) -> None:
         """Stop request ``rid`` (rank 0): it ends at the next step with ``finish_reason``
         ``abort`` and the tokens it generated so far."""
-        if self.admission.withdraw(rid):
+        if self.table.withdraw(rid):
             self._out.results.append(_aborted(rid))
-        elif rid in self._waiting or any(s.rid == rid for s in self._running):
+        elif rid in self.table:
             self._aborts.append(rid)
 
-    def _check(self, request: object) -> GenerateRequest:
-        """The request, checked; raises :class:`RequestError` naming what is wrong."""
-        r = check_request(request)
-        cfg = self.model.config
-        check_limits(r, cfg.vocab_size, self.ctl.cache.device_pool.num_tokens, cfg.max_context)
-        if r.rid in self._waiting or self.admission.queued(r.rid) or self._is_running(r.rid):
-            raise RequestError("rid", f"request id {r.rid!r} is already in flight")
-        return r
-
-    def _is_running(self, rid: str) -> bool:
-        return any(s.rid == rid for s in self._running)
-
-    # ------------------------------------------------------------------ step
-
-    @property
-    def has_work(self) -> bool:
-        """Requests queued, admitted or running on this rank."""
-        return bool(self.admission or self._waiting or self._running or self._aborts)
-
-    @property
-    def has_runnable_work(self) -> bool:
-        """Work for the next step now (not only requests waiting on prefetches)."""
-        return bool(self._running or self._aborts or self.admission.ready())
-
-    @property
-    def num_queued(self) -> int:
-        """Requests waiting to start (rank 0's queue and the admitted ones)."""
-        return len(self.admission) + len(self._waiting)
-
-    def step(self) -> StepOutput:
-        """One scheduler iteration (every rank); returns what it finished and generated."""
-        arrivals = []
-        for request in self.admission.admit(running=len(self._running) + len(self._waiting)):
-            extra = msgspec.msgpack.encode(_Options(request.max_new_tokens, request.sampling))
-            arrivals.append(Arrival(request.rid, request.tokens, extra))
-        aborts, self._aborts = self._aborts, []
-        agreed = self.ctl.step(arrivals, aborts)
-        if agreed.arrivals and self.on_phase is not None:
-            self.on_phase("admit", "")
-        now = time.perf_counter()
-        for a in agreed.arrivals:
-            self._arrive(a, now)
-        for rid in agreed.aborted:
-            self._drop(rid, _aborted(rid), keep_output=True)
-        starts = [rid for rid in agreed.runnable if rid in self._waiting]
-        for ordinal, rid in enumerate(starts[: max(0, self.max_running - len(self._running))]):
-            self._guarded(ordinal, [rid], self._start)
-        if self._running:
-            self._forward()
-        out, self._out = self._out, StepOutput()
-        # A request finished here started host writes the agreement has not seen yet.
-        self.busy = agreed.busy or bool(out.results)
-        return out
-
-    def _arrive(self, a: Arrival, now: float) -> None:
-        try:
-            options = _OPTIONS.decode(a.extra)
-        except msgspec.DecodeError as exc:  # the same bytes on every rank: all refuse it
-            self.ctl.cancel(a.rid)
-            self._finish_admission(a.rid)
-            self._out.results.append(error_result(a, f"request options: {exc}"))
-            return
-        request = GenerateRequest(a.rid, a.tokens, options.max_new_tokens, options.sampling)
-        received = self.admission.received_at(a.rid, now)
-        self._waiting[a.rid] = Req(
+    def _record(self, request: GenerateRequest, received_at: float) -> RankRequest:
+        sampling = request.sampling
+        return RankRequest(
             request,
-            RequestSampler(a.rid, options.sampling),
-            received,
-            stop_ids=self._stop_ids(options.sampling),
-            arrived_at=now,
+            RequestSampler(request.rid, sampling),
+            received_at,
+            stop_ids=self._stop_ids(sampling),
         )
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         eos = () if sampling.ignore_eos else self.model.config.eos_token_ids
         return frozenset((*eos, *sampling.stop_token_ids))
 
+    # ------------------------------------------------------------------ step
+
+    @property
+    def has_work(self) -> bool:
+        """Requests queued, admitted or running on this rank."""
+        return bool(self.table or self._aborts)
+
+    @property
+    def has_runnable_work(self) -> bool:
+        """Work for the next step now (not only requests waiting on prefetches)."""
+        return bool(self.table.running or self._aborts or self.table.ready())
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting to start (rank 0's queue and the admitted ones)."""
+        return self.table.num_queued
+
+    def step(self) -> StepOutput:
+        """One scheduler iteration (every rank); returns what it finished and generated."""
+        arrivals = self.table.admit()
+        aborts, self._aborts = self._aborts, []
+        agreed = self.ctl.step(arrivals, aborts, pending=self.table.claims())
+        if agreed.admitted and self.on_phase is not None:
+            self.on_phase("admit", "")
+        now = time.perf_counter()
+        for claim in agreed.admitted:
+            self._arrive(claim, now)
+        for rid in agreed.aborted:
+            self._drop(rid, _aborted(rid), keep_output=True)
+        room = max(0, self.max_running - len(self.table.running))
+        for ordinal, claim in enumerate(agreed.runnable[:room]):
+            self._guarded(ordinal, claim.rid, self._start)
+        if self.table.running:
+            self._forward()
+        out, self._out = self._out, StepOutput()
+        # A request finished here started host writes the agreement has not seen yet.
+        self.busy = agreed.busy or bool(out.results)
+        return out
+
+    def _arrive(self, claim: PrefixClaim, now: float) -> None:
+        request = claim.arrival
+        assert isinstance(request, GenerateRequest)  # the controller broadcasts our type
+        record = self.table.get(request.rid) or self._record(request, now)
+        self.table.arrive(record, claim, now)
+
     # -------------------------------------------------------------- starting
 
     def _start(self, rid: str) -> None:
-        seq = self._waiting.pop(rid)
+        seq = self.table.get(rid)
+        assert seq is not None and seq.claim is not None
         request = seq.request
         started = time.perf_counter()
         seq.result.prefetch_s = started - seq.received_at
@@ -224,9 +215,8 @@ class RankRuntime:
         split.queue_s = max(0.0, seq.arrived_at - seq.received_at)
         split.prefetch_s = started - max(seq.arrived_at, seq.received_at)
         max_pages = (len(request.tokens) - 1) // self.page_size if self.reuse_prefix else 0
-        handle = self.ctl.take(rid, max_pages=max_pages)
-        seq.handle = handle
-        self._running.append(seq)  # from here, dropping it releases the handle
+        handle = self.ctl.take(seq.claim, max_pages=max_pages)
+        self.table.start(seq, handle)  # from here, dropping it releases the handle
         cached = handle.num_cached_tokens
         seq.computed = cached
         seq.loads = list(handle.loads)
@@ -250,7 +240,7 @@ class RankRuntime:
     def _forward(self) -> None:
         """One batch over the running requests; on a failure raised by request code, each
         request of the batch again on its own, so the one that raises fails alone."""
-        batch = plan_batch(self._running, self.max_step_tokens)
+        batch = plan_batch(self.table.running, self.max_step_tokens)
         try:
             self._run(batch)
         except CollectiveError:
@@ -261,16 +251,16 @@ class RankRuntime:
             )
             self.ctl.agree_failure(-1)
             for ordinal, (seq, length) in enumerate(batch):
-                if seq in self._running:  # (an earlier one's failure cannot drop it, but be sure)
-                    self._guarded(ordinal, [seq.rid], self._run_alone(seq, length))
+                if seq.phase is Phase.RUNNING and seq.rid in self.table:  # not dropped yet
+                    self._guarded(ordinal, seq.rid, self._run_alone(seq, length))
 
-    def _run_alone(self, seq: Req, length: int) -> Callable[[str], None]:
+    def _run_alone(self, seq: RankRequest, length: int) -> Callable[[str], None]:
         def run(_: str) -> None:
             self._run([(seq, length)])
 
         return run
 
-    def _run(self, batch: list[tuple[Req, int]]) -> None:
+    def _run(self, batch: list[tuple[RankRequest, int]]) -> None:
         if self.on_phase is not None:
             for seq, _ in batch:
                 self.on_phase("decode" if seq.prefilled else "prefill", seq.rid)
@@ -330,7 +320,7 @@ class RankRuntime:
                 self._finish(seq)
 
     def _keep(
-        self, batch: list[tuple[Req, int]], sampled: list[int]
+        self, batch: list[tuple[RankRequest, int]], sampled: list[int]
     ) -> Callable[[torch.Tensor], None]:
         def keep(logits: torch.Tensor) -> None:
             for j, i in enumerate(sampled):
@@ -345,53 +335,41 @@ class RankRuntime:
 
     # ------------------------------------------------------------- finishing
 
-    def _finish(self, seq: Req) -> None:
+    def _finish(self, seq: RankRequest) -> None:
         assert seq.handle is not None
         # KV exists for the prompt and every generated token but the last.
         prompt = seq.handle.prompt_key or encode_tokens(seq.request.tokens)
         self.ctl.finish(seq.handle, prompt + encode_tokens(seq.generated[:-1]))
-        self._running.remove(seq)
-        self._finish_admission(seq.rid)
+        self.table.end(seq.rid)
         seq.result.output_tokens = list(seq.generated)
         seq.result.finish_reason = seq.finish_reason
         self._out.results.append(seq.result)
 
-    def _finish_admission(self, rid: str) -> None:
-        if self.ctl.consensus.rank == 0:
-            self.admission.release(rid)
-
-    def _guarded(self, ordinal: int, rids: list[str], work: Callable[[str], None]) -> None:
+    def _guarded(self, ordinal: int, rid: str, work: Callable[[str], None]) -> None:
         """Run one request's work; its own failure fails it alone (see the module docstring)."""
         try:
-            work(rids[0])
+            work(rid)
         except CollectiveError:
             raise
         except Exception as exc:
-            log.exception("request %s failed on rank %d", rids[0], self.ctl.consensus.rank)
+            log.exception("request %s failed on rank %d", rid, self.ctl.consensus.rank)
             why = f"{type(exc).__name__}: {exc}"
-            error = error_result(Arrival(rids[0], [0]), why, ErrorKind.INTERNAL)
-            self._drop(rids[0], error)
+            self._drop(rid, failed_result(rid, why, ErrorKind.INTERNAL))
             self.ctl.agree_failure(ordinal)
 
     def _drop(self, rid: str, result: RequestResult, *, keep_output: bool = False) -> None:
         """Forget a failed or aborted request and release whatever it held."""
-        if rid in self._waiting:
-            seq = self._waiting.pop(rid)
-            if rid in self.ctl.requests.known:
-                self.ctl.cancel(rid)
-        else:
-            found = [s for s in self._running if s.rid == rid]
-            if not found:
-                return
-            seq = found[0]
-            self._running.remove(seq)
-            if seq.handle is not None:
-                self.ctl.release(seq.handle)
+        seq = self.table.end(rid)
+        if seq is None:
+            return
+        if seq.claim is not None and not seq.claim.done:
+            self.ctl.cancel(seq.claim)
+        if seq.handle is not None:
+            self.ctl.release(seq.handle)
         if keep_output:
             result = seq.result
             result.output_tokens = list(seq.generated)
             result.finish_reason = FinishReason.ABORT
-        self._finish_admission(rid)
         self._out.results.append(result)
 
 

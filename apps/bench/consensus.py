@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from apps.report import Figure, figure, fp16_kv, time_into
+from hicache_ray.cache import CacheHandle
 from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
 from hicache_ray.controller import (
     Arrival,
@@ -35,6 +36,7 @@ from hicache_ray.controller import (
     GlooConsensus,
     start_rendezvous,
 )
+from hicache_ray.controller.protocol import Header
 from hicache_ray.keys import plan_shard
 from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.storage import MemoryObjects, PagedBackend
@@ -91,9 +93,9 @@ def _rank(rank: int, world: int, ports: Any, out: Any, opts: ConsensusOptions) -
     kv = fp16_kv(2, world, 8, 16, Shard(tp_rank=rank, tp_size=world))
     ctl = _controller(kv, _config(16, 64, share_tp=(world,)), MemoryObjects(), consensus)
     arrivals = [Arrival(f"r{i}", list(range(i, i + 64))) for i in range(opts.running_requests)]
-    ctl.step(arrivals if rank == 0 else [])
+    claims = ctl.step(arrivals if rank == 0 else []).admitted
     ctl.settle(timeout=opts.timeout_s)
-    ctl.step()  # every request now sits in the vector, its (empty) prefetch agreed
+    ctl.step(pending=claims)  # every request now sits in the vector, its prefetch agreed
     group = consensus.group
     bare_opts = dist.AllreduceOptions()
     bare_opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
@@ -111,16 +113,16 @@ def _rank(rank: int, world: int, ports: Any, out: Any, opts: ConsensusOptions) -
             if phase == "full":
                 ctl.note_failure()  # a changed fact: this step exchanges the whole vector
             start = clock()
-            ctl.step()
+            ctl.step(pending=claims)
             end = clock()
             group.allreduce([one], bare_opts).wait()
             bare = clock()
             if phase == "full":
-                ctl.step()  # the flag resets (another full step), untimed
+                ctl.step(pending=claims)  # the flag resets (another full step), untimed
             if i >= 50:  # warm-up
                 samples.append(end - start)
                 bare_s.append(bare - end)
-    vector = len(ctl.requests.facts()) + 9
+    vector = len(ctl.claims.facts(claims)) + Header.SIZE
     ctl.close()
     consensus.close()
     if rank == 0:
@@ -198,10 +200,7 @@ def fetch_figures(
     objects = MemoryObjects()
     tokens = list(range(n * 64 + 1))
     writer = _controller(kv, config, objects)
-    writer.step([Arrival("w", tokens)])
-    writer.settle()
-    writer.step()
-    handle = writer.take("w")
+    handle = _take(writer, Arrival("w", tokens))
     writer.reserve(handle, len(tokens))
     for per_layer in writer.cache.device_pool.buffers:
         for buf in per_layer:
@@ -227,13 +226,18 @@ def fetch_figures(
     return [figure("fetch.l3_to_l1.gbps", gbps, "GB/s", ceiling=ceiling)]
 
 
-def _fetch(ctl: CacheController, tokens: list[int], num_pages: int) -> None:
-    ctl.step([Arrival("r", tokens)])
-    result = ctl.step()
-    while "r" not in result.runnable:
+def _take(ctl: CacheController, arrival: Arrival) -> CacheHandle:
+    """Admit ``arrival``, step until it may run, and take its cached prefix."""
+    result = ctl.step([arrival])
+    claim = result.admitted[0]
+    while claim not in result.runnable:
         ctl.settle()
-        result = ctl.step()
-    handle = ctl.take("r")
+        result = ctl.step(pending=[claim])
+    return ctl.take(claim)
+
+
+def _fetch(ctl: CacheController, tokens: list[int], num_pages: int) -> None:
+    handle = _take(ctl, Arrival("r", tokens))
     ctl.wait_ready(handle)
     if handle.num_cached_tokens != num_pages * ctl.config.page_size:
         raise RuntimeError(f"fetched {handle.num_cached_tokens} tokens, not {num_pages} pages")

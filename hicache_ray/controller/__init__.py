@@ -1,5 +1,6 @@
 """The cache controller: consensus across ranks and the write/load/prefetch/backup pipelines."""
 
+from hicache_ray.controller.claims import PrefixClaim
 from hicache_ray.controller.consensus import (
     Consensus,
     ConsensusError,
@@ -18,6 +19,7 @@ __all__ = [
     "ConsensusError",
     "GlooConsensus",
     "LocalConsensus",
+    "PrefixClaim",
     "Rendezvous",
     "StepResult",
     "start_rendezvous",

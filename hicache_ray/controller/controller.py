@@ -2,15 +2,20 @@
 
 The scheduler loop of every rank calls, in the same order on every rank::
 
-    result = ctl.step(arrivals)       # rank 0 passes new requests; others pass nothing
-    for rid in result.runnable:       # agreed: identical list on every rank
-        handle = ctl.take(rid)        # lock + load the agreed prefix; then reserve/finish
+    result = ctl.step(arrivals, pending=claims)  # rank 0 passes new requests
+    claims += result.admitted                     # the caller keeps the claims, in order
+    for claim in result.runnable:                 # agreed: identical on every rank
+        handle = ctl.take(claim)                  # lock + load the agreed prefix
+        claims.remove(claim)                      # then reserve, compute, finish
         ...
 
-``step`` makes exactly the collectives of :mod:`hicache_ray.controller.protocol`, whatever
-this rank's local state. ``take`` and ``cancel`` change which requests the next step's
-vector describes, so every rank must call them for the same requests between the same
-steps (deciding from ``runnable``, which is agreed, guarantees it).
+The controller keeps no registry of requests: it hands out a :class:`PrefixClaim` per
+admitted request and describes, each step, the claims its caller passes back (``pending``:
+every claim not taken or cancelled, in admission order). ``step`` makes exactly the
+collectives of :mod:`hicache_ray.controller.protocol`, whatever this rank's local state.
+``take`` and ``cancel`` change which requests the next step's vector describes, so every
+rank must call them for the same requests between the same steps (deciding from
+``runnable``, which is agreed, guarantees it).
 
 Every prefix length the ranks act on (cached, stored, fetched) is an agreed MIN, so a
 rank whose storage misses pages, fails or is slow only shortens what everyone uses.
@@ -22,6 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import torch
@@ -30,10 +36,10 @@ from hicache_ray.cache import CacheHandle, HiCache
 from hicache_ray.config import CacheConfig
 from hicache_ray.controller.acks import Acknowledger
 from hicache_ray.controller.backup import BackupPipeline
+from hicache_ray.controller.claims import Claims, PrefixClaim
 from hicache_ray.controller.consensus import Consensus, ConsensusError, LocalConsensus
 from hicache_ray.controller.prefetch import PrefetchPipeline
-from hicache_ray.controller.protocol import Arrival, Header, decode_arrivals, encode_arrivals
-from hicache_ray.controller.requests import RequestState
+from hicache_ray.controller.protocol import Arrival, ArrivalLike, Header, StepCodec
 from hicache_ray.keys import plan_shard
 from hicache_ray.layout import ShardKV
 from hicache_ray.stats import ControllerStats
@@ -54,8 +60,10 @@ class StepResult:
 
     Attributes:
         step: the step number (1 for the first call).
-        arrivals: requests admitted this step, in rank 0's order.
-        runnable: admitted requests whose prefetch policy lets them run now, oldest first.
+        admitted: the claims of the requests admitted this step, in rank 0's order (each
+            claim's ``arrival`` is the request as broadcast).
+        runnable: the claims (pending ones, then admitted ones) whose prefetch policy lets
+            them run now, oldest first; aborted ones left out.
         busy: some rank still has background work (writes, queries, reads, backups) or
             requests in flight.
         aborted: request ids rank 0 aborted this step (admitted ones are cancelled here;
@@ -63,8 +71,8 @@ class StepResult:
     """
 
     step: int
-    arrivals: list[Arrival] = field(default_factory=list)
-    runnable: list[str] = field(default_factory=list)
+    admitted: list[PrefixClaim] = field(default_factory=list)
+    runnable: list[PrefixClaim] = field(default_factory=list)
     busy: bool = False
     aborted: list[str] = field(default_factory=list)
 
@@ -118,9 +126,10 @@ class CacheController:
             self.backup = BackupPipeline(storage, self.plan, host, batch)
         salt = config.storage.tenant_salt
         self.acks = Acknowledger(self.cache, self.backup, salt, self.counters)
-        self.requests = RequestState(
+        self.claims = Claims(
             self.cache, config, self.prefetch, self.counters, self.note_failure, clock
         )
+        self._codec = StepCodec(Arrival)
         self._step = 0
         self._failed_since_step = False
         self._contributed: list[int] | None = None  # this rank's facts at the last exchange
@@ -128,19 +137,29 @@ class CacheController:
 
     # ------------------------------------------------------------------- step
 
-    def step(self, arrivals: Sequence[Arrival] = (), aborts: Sequence[str] = ()) -> StepResult:
+    def step(
+        self,
+        arrivals: Sequence[ArrivalLike] = (),
+        aborts: Sequence[str] = (),
+        pending: Sequence[PrefixClaim] = (),
+    ) -> StepResult:
         """Agree on this step's facts with every rank and admit rank 0's ``arrivals``;
-        rank 0's ``aborts`` reach every rank at the same step (admitted ones are cancelled).
+        rank 0's ``aborts`` reach every rank at the same step (the caller cancels those it
+        holds). ``pending``: the claims of every request admitted before and not taken or
+        cancelled, in admission order; the caller keeps them (this rank's scheduler table).
+
+        Arrivals are trusted (checked at the scheduler's door): unique ids, non-empty
+        prompts of token ids in ``[0, 2**32)``, of the controller's ``arrival_type``.
 
         Raises:
-            ValueError: ``arrivals`` on a rank other than 0, or a bad arrival (rank 0
-                raises before any collective, so the other ranks simply wait for its retry).
-            ConsensusError: a peer timed out or died.
+            ValueError: ``arrivals`` or ``aborts`` on a rank other than 0.
+            ConsensusError: a peer timed out or died, or the ranks disagree on how many
+                requests are pending.
         """
         if (arrivals or aborts) and self.consensus.rank != 0:
             raise ValueError("only rank 0 admits requests; pass no arrivals on other ranks")
         admitting = len(arrivals) + len(aborts)
-        payload = encode_arrivals(arrivals, self.requests.known, aborts) if admitting else b""
+        payload = self._codec.encode(arrivals, aborts) if admitting else b""
         self.cache.poll()
         facts = Header.local(
             arrivals=admitting,
@@ -148,9 +167,9 @@ class CacheController:
             acks=self.acks.facts(),
             failed=self._failed_since_step,
             busy=self._busy(),
-            num_requests=len(self.requests),
+            num_requests=len(pending),
         )
-        facts += self.requests.facts()
+        facts += self.claims.facts(pending)
         self._step += 1
         stats = self.counters
         stats.steps += 1
@@ -161,51 +180,60 @@ class CacheController:
         news = self.consensus.all_reduce_min([-int(changed)], self._step)
         if not news[0]:
             stats.consensus_s += time.perf_counter() - start
-            return StepResult(self._step, [], self.requests.runnable(), self._busy_agreed)
+            return StepResult(self._step, [], self._runnable(pending, ()), self._busy_agreed)
         agreed = self.consensus.all_reduce_min(facts, self._step)
         header = Header.decode(agreed, self._step)
-        new: list[Arrival] = []
+        new: list[Any] = []
         aborted: list[str] = []
         if header.arrivals:
             data = self.consensus.broadcast_bytes(payload, header.payload_bytes, self._step)
-            broadcast = decode_arrivals(data)
+            broadcast = self._codec.decode(data)
             new, aborted = broadcast.arrivals, broadcast.aborts
         stats.consensus_s += time.perf_counter() - start
         stats.full_steps += 1
         self._contributed = facts
-        self._apply(header, agreed, new, aborted)
-        return StepResult(
-            self._step, new, self.requests.runnable(), self._busy_agreed, aborted=aborted
-        )
+        admitted = self._apply(header, agreed, pending, new)
+        runnable = self._runnable([*pending, *admitted], aborted)
+        return StepResult(self._step, admitted, runnable, self._busy_agreed, aborted=aborted)
 
     def _apply(
-        self, header: Header, agreed: list[int], new: list[Arrival], aborted: list[str]
-    ) -> None:
-        """What every rank does with the facts agreed in a full step."""
+        self,
+        header: Header,
+        agreed: list[int],
+        pending: Sequence[PrefixClaim],
+        new: list[ArrivalLike],
+    ) -> list[PrefixClaim]:
+        """What every rank does with the facts agreed in a full step; the new claims."""
         if header.failed and not self._failed_since_step:
             self.counters.peer_failures += 1
         self._failed_since_step = False
         self.acks.apply(*header.acks)
-        self.requests.apply(agreed[Header.SIZE :])
-        for arrival in new:
-            self.requests.admit(arrival)
-        if new:  # agreed: every rank runs this round for the same arrivals
-            self._agree_arrivals([a.rid for a in new])
-        for rid in aborted:
-            if rid in self.requests.known:
-                self.requests.cancel(rid)
-        self._busy_agreed = header.busy or bool(self.requests)
+        self.claims.apply(pending, agreed[Header.SIZE :])
+        admitted = [self.claims.admit(arrival) for arrival in new]
+        if admitted:  # agreed: every rank runs this round for the same arrivals
+            self._agree_arrivals(admitted)
+        self._busy_agreed = header.busy or bool(pending) or bool(admitted)
+        return admitted
 
-    def _agree_arrivals(self, rids: list[str]) -> None:
+    def _runnable(self, claims: Sequence[PrefixClaim], aborted: Sequence[str]) -> list[PrefixClaim]:
+        policy = self.config.prefetch.policy
+        return [c for c in claims if c.runnable(policy) and c.rid not in aborted]
+
+    def _agree_arrivals(self, claims: list[PrefixClaim]) -> None:
         """One more MIN round, over the requests admitted in this step: one that needs no
         L3 query (or whose query ends within ``ARRIVAL_QUERY_WAIT_S``: one store round
         trip) is runnable in this step, not after the next one (which would make it wait
         for a whole forward pass)."""
-        self.requests.wait_queries(rids, ARRIVAL_QUERY_WAIT_S)
+        self.claims.wait_queries(claims, ARRIVAL_QUERY_WAIT_S)
         start = time.perf_counter()
-        agreed = self.consensus.all_reduce_min(self.requests.facts(rids), self._step)
+        agreed = self.consensus.all_reduce_min(self.claims.facts(claims), self._step)
         self.counters.consensus_s += time.perf_counter() - start
-        self.requests.apply(agreed, rids)
+        self.claims.apply(claims, agreed, on_arrival=True)
+
+    def broadcast_as(self, arrival_type: type[Any]) -> None:
+        """Broadcast arrivals as ``arrival_type`` structs (a scheduler's own request type, so
+        every rank decodes the whole request once; :class:`Arrival` until called)."""
+        self._codec = StepCodec(arrival_type)
 
     def agree_failure(self, ordinal: int) -> None:
         """Every rank calls this when the request at position ``ordinal`` of this step's
@@ -229,18 +257,18 @@ class CacheController:
 
     # ---------------------------------------------------------------- requests
 
-    def take(self, rid: str, max_pages: int | None = None) -> CacheHandle:
-        """Lock and start loading the agreed cached prefix of ``rid`` (at most
-        ``max_pages`` pages); the request leaves the step vector. Same order on every rank."""
-        return self.requests.take(rid, max_pages)
+    def take(self, claim: PrefixClaim, max_pages: int | None = None) -> CacheHandle:
+        """Lock and start loading the agreed cached prefix of ``claim`` (at most
+        ``max_pages`` pages); it leaves the step vector. Same order on every rank.
 
-    def cancel(self, rid: str) -> None:
+        Raises:
+            HiCacheError: the claim has no agreed prefix yet, or was taken or cancelled.
+        """
+        return self.claims.take(claim, max_pages)
+
+    def cancel(self, claim: PrefixClaim) -> None:
         """Drop an admitted request without running it. Same order on every rank."""
-        self.requests.cancel(rid)
-
-    def agreed_prefix_pages(self, rid: str) -> int:
-        """Pages of ``rid`` every rank holds in L1/L2 as of the last step (-1: not agreed yet)."""
-        return self.requests.agreed_ready(rid)
+        self.claims.cancel(claim)
 
     def reserve(self, handle: CacheHandle, num_tokens: int) -> list[int]:
         return self.cache.reserve(handle, num_tokens)
@@ -271,13 +299,13 @@ class CacheController:
     def wait_requests(self, timeout: float | None = None) -> None:
         """Wait (locally) for the storage queries and reads of admitted requests only: what
         a scheduler with nothing runnable waits for (backups and host writes run on)."""
-        self.requests.wait(timeout)
+        self.claims.wait(timeout)
 
     def settle(self, timeout: float | None = None) -> None:
         """Wait (locally, no collective) until this rank's background work is done:
         host writes, storage queries and reads of admitted requests, backups."""
         self.cache.flush()
-        self.requests.wait(timeout)
+        self.claims.wait(timeout)
         self.acks.wait_backups(timeout)
 
     def _busy(self) -> bool:
@@ -292,14 +320,14 @@ class CacheController:
         dev, host = self.cache.device_pool.allocator, self.cache.host_pool.allocator
         s.device_pages_used, s.device_pages_total = dev.num_used_pages, dev.num_pages
         s.host_pages_used, s.host_pages_total = host.num_used_pages, host.num_pages
-        s.host_pages_prefetching = self.requests.prefetch_host_pages
-        s.running_prefetches = self.requests.num_fetching
+        s.host_pages_prefetching = self.claims.prefetch_host_pages
+        s.running_prefetches = self.claims.num_fetching
         s.pending_backups = self.acks.pending_backups
         return s
 
     def close(self) -> None:
         """Stop every pipeline (prefetch, backup, transfers); safe to call twice."""
-        self.requests.cancel_all()
+        self.claims.close()
         if self.prefetch is not None:
             self.prefetch.close()
         if self.backup is not None:
@@ -310,4 +338,4 @@ class CacheController:
 
     def check_integrity(self) -> None:
         """Assert pool accounting across the tree, requests and prefetch slots."""
-        self.cache.check_integrity(held_host_pages=self.requests.prefetch_host_pages)
+        self.cache.check_integrity(held_host_pages=self.claims.prefetch_host_pages)

@@ -24,69 +24,61 @@ broadcasts, so the vectors line up. Counts of requests in flight travel both way
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
 from hicache_ray.controller.consensus import ConsensusError
 
-__all__ = ["StepBroadcast", "Arrival", "Header", "decode_arrivals", "encode_arrivals"]
+__all__ = ["Arrival", "ArrivalLike", "Header", "StepBroadcast", "StepCodec"]
 
-MAX_TOKEN_ID = 2**32 - 1
+
+class ArrivalLike(Protocol):
+    """What the controller reads of an arrival: its id and its prompt."""
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def tokens(self) -> list[int]: ...
 
 
 class Arrival(msgspec.Struct, frozen=True):
-    """A request as rank 0 admits it.
-
-    Attributes:
-        rid: unique id among requests in flight.
-        tokens: the prompt's token ids.
-        extra: opaque bytes for the runtime (sampling settings, ...), carried unchanged.
-    """
+    """The smallest arrival: a request id (unique among those in flight) and its prompt's
+    token ids. A scheduler broadcasts its own request struct instead (its controller's
+    ``arrival_type``), so every rank gets the whole request from one decode."""
 
     rid: str
     tokens: list[int]
-    extra: bytes = b""
 
 
-class StepBroadcast(msgspec.Struct, frozen=True):
+A = TypeVar("A")
+
+
+class StepBroadcast(msgspec.Struct, Generic[A], frozen=True):
     """What rank 0 broadcasts in a step: new requests, and requests its callers aborted
     (every rank drops those at the same step)."""
 
-    arrivals: list[Arrival]
+    arrivals: list[A]
     aborts: list[str] = msgspec.field(default_factory=list)
 
 
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(StepBroadcast)
+class StepCodec:
+    """Encodes rank 0's broadcast and decodes it on every rank, as ``arrival_type``
+    structs. Arrivals are trusted: the scheduler checked them at its door."""
 
+    def __init__(self, arrival_type: type[Any] = Arrival) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StepBroadcast[arrival_type])  # type: ignore[valid-type]
 
-def encode_arrivals(
-    arrivals: Sequence[Arrival], known: Container[str], aborts: Sequence[str] = ()
-) -> bytes:
-    """Check ``arrivals`` and encode them, with the ``aborts``, for the broadcast.
+    def encode(self, arrivals: Sequence[Any], aborts: Sequence[str] = ()) -> bytes:
+        return self._encoder.encode(StepBroadcast(list(arrivals), list(aborts)))
 
-    Raises:
-        ValueError: a duplicate or in-flight ``rid``, an empty prompt, or a token id
-            outside ``[0, 2**32)``; nothing is admitted.
-    """
-    seen: set[str] = set()
-    for a in arrivals:
-        if not isinstance(a, Arrival):
-            raise ValueError(f"arrivals must be Arrival structs, got {type(a).__name__}")
-        if a.rid in seen or a.rid in known:
-            raise ValueError(f"request id {a.rid!r} is already in flight; ids must be unique")
-        seen.add(a.rid)
-        if not a.tokens:
-            raise ValueError(f"request {a.rid!r} has no tokens")
-        if min(a.tokens) < 0 or max(a.tokens) > MAX_TOKEN_ID:
-            raise ValueError(f"request {a.rid!r} has a token id outside [0, 2**32)")
-    return _ENCODER.encode(StepBroadcast(list(arrivals), list(aborts)))
-
-
-def decode_arrivals(data: bytes) -> StepBroadcast:
-    return _DECODER.decode(data)
+    def decode(self, data: bytes) -> StepBroadcast[Any]:
+        broadcast: StepBroadcast[Any] = self._decoder.decode(data)
+        return broadcast
 
 
 # The header's layout, declared once: (field, slots, how the MIN agrees it). "max": negated

@@ -7,6 +7,7 @@ from any tier, on any rank, can be checked to be exactly the right one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -25,6 +26,7 @@ from hicache_ray.controller import Arrival, CacheController, Consensus
 from hicache_ray.keys import page_hashes, plan_shard
 from hicache_ray.layout import ShardKV
 from hicache_ray.storage import FaultyObjects, ObjectStore, PagedBackend
+from tests.controller.driven import Driven
 
 PAGE = 4
 
@@ -83,7 +85,7 @@ def page_value(tokens: list[int], page: int) -> float:
 
 
 def _page_kv(
-    ctl: CacheController, handle: CacheHandle, tokens: list[int], page: int
+    ctl: CacheController | Driven, handle: CacheHandle, tokens: list[int], page: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(device slot tensor view, expected value) per slot and layer of one page."""
     pool = ctl.cache.device_pool
@@ -98,7 +100,9 @@ def _page_kv(
             yield buf[slots], value.expand(PAGE, -1, buf.shape[2])
 
 
-def fill_pages(ctl: CacheController, handle: CacheHandle, tokens: list[int], first: int) -> None:
+def fill_pages(
+    ctl: CacheController | Driven, handle: CacheHandle, tokens: list[int], first: int
+) -> None:
     """Write the KV of pages ``[first, len(handle.device_pages))`` (the engine's forward)."""
     for p in range(first, min(len(handle.device_pages), len(tokens) // PAGE)):
         for view, value in _page_kv(ctl, handle, tokens, p):
@@ -106,7 +110,7 @@ def fill_pages(ctl: CacheController, handle: CacheHandle, tokens: list[int], fir
 
 
 def check_pages(
-    ctl: CacheController, handle: CacheHandle, tokens: list[int], num_pages: int
+    ctl: CacheController | Driven, handle: CacheHandle, tokens: list[int], num_pages: int
 ) -> None:
     """Assert the first ``num_pages`` device pages of ``handle`` hold this prompt's KV."""
     for p in range(num_pages):
@@ -115,7 +119,7 @@ def check_pages(
 
 
 def run_request(
-    ctl: CacheController, rid: str, tokens: list[int], *, settle: bool = True
+    ctl: Driven, rid: str, tokens: list[int], *, settle: bool = True
 ) -> tuple[int, CacheHandle]:
     """Admit (rank 0 passes the arrival), step until runnable, take, check, compute, finish.
 
@@ -147,22 +151,24 @@ def make_controller(
     faults: tuple[Fault, ...] = (),
     consensus: Consensus | None = None,
     clock: Callable[[], float] | None = None,
-) -> CacheController:
-    """A controller over ``objects`` (shared L3), with ``faults`` injected under verification."""
+) -> Driven:
+    """A controller over ``objects`` (shared L3), with ``faults`` injected under verification,
+    driven by request id (:class:`Driven`)."""
     plan = plan_shard(kv, config)
     store = FaultyObjects(objects, faults, seed=1) if faults else objects
     backend = PagedBackend("memory", store, plan, scan_on_start=False)
-    return CacheController(
+    ctl = CacheController(
         config,
         kv,
         storage=backend,
         consensus=consensus,
         host_budget_bytes=1 << 30,
-        **({"clock": clock} if clock else {}),
+        clock=clock or time.monotonic,
     )
+    return Driven(ctl)
 
 
-def drain(ctl: CacheController) -> None:
+def drain(ctl: Driven) -> None:
     """Step until no rank has background work left (collective: every rank calls it)."""
     while True:
         ctl.settle(timeout=30)

@@ -19,15 +19,14 @@ import torch
 
 from hicache_ray.config import Fault
 from hicache_ray.controller import (
-    CacheController,
     ConsensusError,
     GlooConsensus,
-    StepResult,
     start_rendezvous,
 )
 from hicache_ray.keys import page_hashes, plan_shard
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
+from tests.controller.driven import Driven, Stepped
 from tests.controller.helpers import (
     PAGE,
     controller_config,
@@ -80,13 +79,13 @@ def connect(rank: int, world: int, ports: Any) -> GlooConsensus:
     return GlooConsensus(rank, world, "127.0.0.1", port, timeout_s=GLOO_TIMEOUT_S)
 
 
-def record_agreements(ctl: CacheController, history: list[Any]) -> None:
+def record_agreements(ctl: Driven, history: list[Any]) -> None:
     """Log what every step agreed (step, arrivals, runnable, each request's agreed facts)."""
     step = ctl.step
 
-    def logged(arrivals: Any = ()) -> StepResult:
-        result = step(arrivals)
-        agreed = [(rid, r.agreed) for rid, r in ctl.requests.known.items()]
+    def logged(arrivals: Any = (), aborts: Any = ()) -> Stepped:
+        result = step(arrivals, aborts)
+        agreed = [(rid, r.agreed) for rid, r in ctl.known.items()]
         history.append((result.step, [a.rid for a in result.arrivals], result.runnable, agreed))
         return result
 

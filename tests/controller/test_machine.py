@@ -59,7 +59,7 @@ class ControllerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if hasattr(self, "ctl"):
-            for rid in list(self.ctl.requests.known):
+            for rid in list(self.ctl.known):
                 self.ctl.cancel(rid)
             drain(self.ctl)
             self.ctl.check_integrity()
@@ -121,7 +121,7 @@ class ControllerMachine(RuleBasedStateMachine):
     def integrity(self) -> None:
         if hasattr(self, "ctl"):
             self.ctl.check_integrity()
-            assert list(self.ctl.requests.known) == list(self.tokens), "admitted requests"
+            assert list(self.ctl.known) == list(self.tokens), "admitted requests"
 
 
 @pytest.mark.parametrize(

@@ -134,7 +134,7 @@ def test_timeout_policy_terminates_slow_reads_and_keeps_what_finished() -> None:
         controller_config(prefetch_policy="timeout"), KV, objects, faults=(slow,), clock=clock
     )
     reader.step([Arrival("r", tokens)])
-    task = reader.requests.known["r"].task
+    task = reader.known["r"].task
     assert task is not None and task.queried.wait(30)  # the query is quick, the reads slow
     result = reader.step()  # agrees the stored length: the reads start
     assert task.read_started and "r" not in result.runnable  # before the deadline

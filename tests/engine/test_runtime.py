@@ -232,7 +232,7 @@ def test_a_request_waiting_on_its_prefetch_does_not_hold_others_back() -> None:
 def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission encodes the prompt; take, the tree walks and finish reuse the key."""
     import hicache_ray.cache
-    import hicache_ray.controller.requests
+    import hicache_ray.controller.claims
     import hicache_ray.keys.page_hash
     import hicache_ray.runtime
     import hicache_ray.tree.radix_tree
@@ -248,7 +248,7 @@ def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -
 
     for module in (
         hicache_ray.cache,
-        hicache_ray.controller.requests,
+        hicache_ray.controller.claims,
         hicache_ray.keys.page_hash,
         hicache_ray.runtime,
         hicache_ray.tree.radix_tree,

@@ -1,47 +1,67 @@
-"""The admission queue and batch planning, without a model."""
+"""The request table (rank 0's admission queue) and batch planning, without a model."""
 
 from __future__ import annotations
 
-from hicache_ray.request import GenerateRequest, SamplingParams
+from hicache_ray.request import ErrorKind, GenerateRequest, SamplingParams
 from hicache_ray.sampling import RequestSampler
-from hicache_ray.scheduler import Admission, Req, plan_batch
+from hicache_ray.scheduler import Phase, RankRequest, RequestTable, plan_batch
 
 
-def _request(rid: str, prompt: int, max_new: int = 4) -> GenerateRequest:
-    return GenerateRequest(rid, list(range(prompt)), max_new)
+def _request(rid: str, prompt: int, max_new: int = 4) -> RankRequest:
+    request = GenerateRequest(rid, list(range(prompt)), max_new)
+    return RankRequest(request, RequestSampler(rid, SamplingParams()), 0.0)
 
 
 def test_admission_is_fifo_within_the_pool_budget() -> None:
-    adm = Admission(num_pages=9, page_size=4, max_queued=8)
+    table = RequestTable(num_pages=9, page_size=4, max_queued=8)
     for rid, prompt in (("a", 12), ("b", 12), ("c", 4), ("d", 4)):  # 4, 4, 2, 2 pages
-        assert adm.offer(_request(rid, prompt), now=0.0) is None
-    assert [r.rid for r in adm.admit(running=0)] == ["a", "b"]  # c would fit, but waits: FIFO
-    assert len(adm) == 2 and not adm.ready()
-    adm.release("a")
-    assert adm.ready() and [r.rid for r in adm.admit(running=1)] == ["c", "d"]
-    assert len(adm) == 0 and adm.admit(running=3) == []
+        assert table.offer(_request(rid, prompt)) is None
+    assert [r.rid for r in table.admit()] == ["a", "b"]  # c would fit, but waits: FIFO
+    assert table.num_queued == 2 and not table.ready()
+    assert table.end("a") is not None
+    assert table.ready() and [r.rid for r in table.admit()] == ["c", "d"]
+    assert len(table) == 3 and table.admit() == []
 
 
 def test_past_max_queued_a_request_is_refused_as_overloaded() -> None:
-    adm = Admission(num_pages=4, page_size=4, max_queued=2)
-    assert adm.offer(_request("a", 8), 0.0) is None
-    assert adm.offer(_request("b", 8), 0.0) is None
-    refused = adm.offer(_request("c", 8), 0.0)
-    assert refused is not None and refused.startswith("overloaded") and "max_queued=2" in refused
-    adm.admit(running=0)  # "a" leaves the queue: room for one more
-    assert adm.offer(_request("c", 8), 0.0) is None
+    table = RequestTable(num_pages=4, page_size=4, max_queued=2)
+    assert table.offer(_request("a", 8)) is None
+    assert table.offer(_request("b", 8)) is None
+    refused = table.offer(_request("c", 8))
+    assert refused is not None and refused.error_kind is ErrorKind.OVERLOADED
+    assert refused.error is not None and "max_queued=2" in refused.error
+    table.admit()  # "a" leaves the queue: room for one more
+    assert table.offer(_request("c", 8)) is None
+    twice = table.offer(_request("c", 8))
+    assert twice is not None and twice.error is not None and twice.error.startswith("rid: ")
 
 
 def test_a_queued_request_can_be_withdrawn() -> None:
-    adm = Admission(num_pages=1, page_size=4, max_queued=4)
-    adm.offer(_request("a", 4), 1.5)
-    assert adm.queued("a") and adm.received_at("a", 0.0) == 1.5
-    assert adm.withdraw("a") and not adm.withdraw("a") and not adm.queued("a")
+    table = RequestTable(num_pages=1, page_size=4, max_queued=4)
+    table.offer(_request("a", 4))
+    record = table.get("a")
+    assert record is not None and record.phase is Phase.QUEUED
+    assert table.withdraw("a") and not table.withdraw("a") and "a" not in table
 
 
-def _req(rid: str, prompt: int, max_new: int, computed: int = 0, generated: int = 0) -> Req:
-    request = GenerateRequest(rid, list(range(prompt)), max_new)
-    r = Req(request, RequestSampler(rid, SamplingParams()), 0.0)
+def test_a_record_walks_the_phases_and_leaves_the_table_once() -> None:
+    table = RequestTable(num_pages=8, page_size=4, max_queued=4)
+    record = _request("a", 8)
+    table.offer(record)
+    table.admit()
+    assert not table.withdraw("a")  # admitted: no longer withdrawn from the queue
+    claim = object()
+    table.arrive(record, claim, now=1.0)  # type: ignore[arg-type]
+    assert record.phase is Phase.ADMITTED and table.claims() == [claim]
+    table.start(record, handle=object())  # type: ignore[arg-type]
+    assert record.phase is Phase.RUNNING and table.running == [record] and table.claims() == []
+    assert table.end("a") is record and table.end("a") is None and len(table) == 0
+    assert table.ready() is False and table.offer(_request("b", 28)) is None
+    assert table.ready()  # the whole pool is free again
+
+
+def _req(rid: str, prompt: int, max_new: int, computed: int = 0, generated: int = 0) -> RankRequest:
+    r = _request(rid, prompt, max_new)
     r.computed, r.generated = computed, list(range(generated))
     return r
 

@@ -1,4 +1,5 @@
-"""Admitted requests between admission and ``take``: their facts, agreements and prefetch.
+"""Prefix claims: an admitted request between admission and ``take``, its facts, agreements
+and prefetch.
 
 Each request contributes four integers to the step vector, all in pages of its prompt:
 
@@ -23,7 +24,7 @@ from hicache_ray.cache import CacheHandle, HiCache
 from hicache_ray.config import CacheConfig
 from hicache_ray.controller.backup import BackupTask
 from hicache_ray.controller.prefetch import FetchTask
-from hicache_ray.controller.protocol import Arrival
+from hicache_ray.controller.protocol import ArrivalLike
 from hicache_ray.errors import HiCacheError
 from hicache_ray.stats import ControllerStats
 from hicache_ray.tree import TreeNode
@@ -32,7 +33,7 @@ from hicache_ray.tree.tokens import TOKEN_BYTES, encode_tokens
 if TYPE_CHECKING:
     from hicache_ray.controller.prefetch import PrefetchPipeline
 
-__all__ = ["RequestState"]
+__all__ = ["Claims", "Facts", "PrefixClaim"]
 
 
 class Facts(NamedTuple):
@@ -54,7 +55,20 @@ class Facts(NamedTuple):
 FACTS = len(Facts._fields)  # integers per request in the step vector
 
 
-class _Request:
+class PrefixClaim:
+    """One admitted request's claim on its cached prefix, from admission to ``take`` or
+    ``cancel``: the tree node it locks, its L3 prefetch, and the facts agreed for it.
+
+    The controller hands it out (:meth:`CacheController.step`) and keeps no registry of its
+    own: the scheduler's request table holds it and passes the claims of its admitted
+    requests back to every step, in admission order.
+
+    Attributes:
+        arrival: the request as the step broadcast it (of the controller's arrival type).
+        rid: its id.
+        agreed: the facts every rank agreed for it at the last exchange (None: not yet).
+    """
+
     __slots__ = (
         "admitted_at",
         "agreed",
@@ -62,18 +76,21 @@ class _Request:
         "arrival",
         "cached",
         "deadline",
+        "done",
         "fetch_started",
         "final",
         "key",
         "node",
         "prompt_key",
+        "rid",
         "task",
     )
 
     def __init__(
-        self, arrival: Arrival, prompt_key: bytes, whole_bytes: int, node: TreeNode, cached: int
+        self, arrival: ArrivalLike, prompt_key: bytes, whole_bytes: int, node: TreeNode, cached: int
     ) -> None:
         self.arrival = arrival
+        self.rid = arrival.rid
         self.prompt_key = prompt_key  # the prompt encoded once, reused at take and finish
         self.key = prompt_key[:whole_bytes]  # its whole pages
         self.node = node  # locked from admission to take
@@ -85,10 +102,31 @@ class _Request:
         self.final: Facts | None = None  # facts that can no longer change
         self.admitted_at = 0.0
         self.deadline = math.inf
+        self.done = False  # taken or cancelled
+
+    @property
+    def agreed_ready(self) -> int:
+        """Pages every rank holds in L1/L2 as of the last step (-1: not agreed yet)."""
+        return -1 if self.agreed is None else self.agreed.ready
+
+    def runnable(self, policy: str) -> bool:
+        """Whether the prefetch ``policy`` lets the request run now (from agreed facts only)."""
+        facts = self.agreed
+        if facts is None:
+            return False
+        if policy == "timeout" and facts.timed_out < 0:
+            return True
+        # best_effort gives a query one step (as long as a forward) before it gives up
+        effort = policy == "best_effort" and not self.agreed_on_arrival
+        return effort or facts.finished == 1
 
 
-class RequestState:
-    """The admitted requests of one rank, in admission (= agreed) order."""
+class Claims:
+    """Makes, agrees, hands over and drops the prefix claims of one rank's requests.
+
+    It holds no request: only the L3 tasks of the claims not yet taken and the host slots
+    they hold (what :meth:`wait` and the pool accounting need).
+    """
 
     def __init__(
         self,
@@ -105,82 +143,54 @@ class RequestState:
         self._stats = stats
         self._note_failure = note_failure
         self._clock = clock
-        self._requests: dict[str, _Request] = {}
-        self._runnable: list[str] | None = None  # valid until the agreements or the set change
+        self._tasks: set[FetchTask] = set()  # the prefetches of claims not yet taken
         self.prefetch_host_pages = 0  # host slots held by prefetch tasks
-        page_size = config.page_size
-        self._page_size = page_size
+        self._page_size = config.page_size
         self._quota = int(config.prefetch.max_host_fraction * cache.host_pool.num_pages)
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    @property
-    def known(self) -> dict[str, _Request]:
-        return self._requests
 
     @property
     def num_fetching(self) -> int:
-        return sum(1 for r in self._requests.values() if r.task is not None)
+        """Claims with an L3 prefetch, not taken yet."""
+        return len(self._tasks)
 
     # ----------------------------------------------------------------- facts
 
-    def facts(self, rids: Sequence[str] | None = None) -> list[int]:
-        """This rank's facts of every request (or of ``rids``), ``FACTS`` each, in order."""
+    def facts(self, claims: Sequence[PrefixClaim]) -> list[int]:
+        """This rank's facts of ``claims``, ``FACTS`` each, in order."""
         now = self._clock()
         out: list[int] = []
-        chosen = self._requests.values() if rids is None else [self._requests[r] for r in rids]
-        for r in chosen:
-            out += r.final or self._facts_of(r, now)
+        for c in claims:
+            out += c.final or self._facts_of(c, now)
         return out
 
     @staticmethod
-    def _facts_of(r: _Request, now: float) -> Facts:
-        t = r.task
-        timed_out = -int(now >= r.deadline)
+    def _facts_of(c: PrefixClaim, now: float) -> Facts:
+        t = c.task
+        timed_out = -int(now >= c.deadline)
         if t is None:
-            facts = Facts(r.cached, r.cached, 1, timed_out)
+            facts = Facts(c.cached, c.cached, 1, timed_out)
         else:
-            finished = t.settled if r.fetch_started else 0 <= t.local_total <= r.cached
+            finished = t.settled if c.fetch_started else 0 <= t.local_total <= c.cached
             facts = Facts(t.pages_read, t.local_total, int(finished), timed_out)
-        if facts.finished and (timed_out or r.deadline == math.inf):
-            r.final = facts  # nothing left to change: skip the work on later steps
+        if facts.finished and (timed_out or c.deadline == math.inf):
+            c.final = facts  # nothing left to change: skip the work on later steps
         return facts
 
-    def apply(self, agreed: Sequence[int], rids: Sequence[str] | None = None) -> None:
-        """Take the agreed facts of every request (or of ``rids``), in :meth:`facts` order."""
-        self._runnable = None
-        chosen = self._requests.values() if rids is None else [self._requests[r] for r in rids]
-        for i, r in enumerate(chosen):
-            r.agreed = Facts(*agreed[i * FACTS : (i + 1) * FACTS])
-            r.agreed_on_arrival = rids is not None
-            if r.agreed.total >= 0 and r.task is not None and not r.fetch_started:
-                self._start_fetch(r, r.agreed.total)
-
-    def runnable(self) -> list[str]:
-        if self._runnable is not None:
-            return list(self._runnable)
-        policy = self._config.prefetch.policy
-        out = []
-        for rid, r in self._requests.items():
-            if r.agreed is None:
-                continue
-            facts = r.agreed
-            timed_out = policy == "timeout" and facts.timed_out < 0
-            # best_effort gives a query one step (as long as a forward) before it gives up
-            effort = policy == "best_effort" and not r.agreed_on_arrival
-            if effort or facts.finished == 1 or timed_out:
-                out.append(rid)
-        self._runnable = out
-        return list(out)
-
-    def agreed_ready(self, rid: str) -> int:
-        r = self._requests.get(rid)
-        return -1 if r is None or r.agreed is None else r.agreed.ready
+    def apply(
+        self, claims: Sequence[PrefixClaim], agreed: Sequence[int], *, on_arrival: bool = False
+    ) -> None:
+        """Take the agreed facts of ``claims``, in :meth:`facts` order (``on_arrival``: the
+        extra round of the step that admitted them)."""
+        for i, c in enumerate(claims):
+            c.agreed = Facts(*agreed[i * FACTS : (i + 1) * FACTS])
+            c.agreed_on_arrival = on_arrival
+            if c.agreed.total >= 0 and c.task is not None and not c.fetch_started:
+                self._start_fetch(c, c.agreed.total)
 
     # ------------------------------------------------------------ admission
 
-    def admit(self, arrival: Arrival) -> None:
+    def admit(self, arrival: ArrivalLike) -> PrefixClaim:
+        """Lock the longest prefix of ``arrival`` cached here and start its L3 query."""
         ps = self._page_size
         tree = self._cache.tree
         key = encode_tokens(arrival.tokens)
@@ -188,27 +198,27 @@ class RequestState:
         m = tree.match_prefix(key, count_hit=False)
         tree.lock(m.best_match_node)
         cached = len(m.device_pages) + m.host_hit_pages
-        r = _Request(arrival, key, whole * ps * TOKEN_BYTES, m.best_match_node, cached)
-        r.admitted_at = self._clock()
+        c = PrefixClaim(arrival, key, whole * ps * TOKEN_BYTES, m.best_match_node, cached)
+        c.admitted_at = self._clock()
         prefetch = self._config.prefetch
         past = len(arrival.tokens) - cached * ps
         if self._prefetch is not None and whole > cached and past >= prefetch.threshold_tokens:
-            r.task = FetchTask(r.key, whole, cached, self._config.storage.tenant_salt)
-            self._prefetch.submit_query(r.task)
+            c.task = FetchTask(c.key, whole, cached, self._config.storage.tenant_salt)
+            self._tasks.add(c.task)
+            self._prefetch.submit_query(c.task)
             if prefetch.policy == "timeout":
-                r.deadline = r.admitted_at + prefetch.timeout_s((whole - cached) * ps)
-        self._requests[arrival.rid] = r
-        self._runnable = None
+                c.deadline = c.admitted_at + prefetch.timeout_s((whole - cached) * ps)
         self._stats.requests += 1
+        return c
 
-    def _start_fetch(self, r: _Request, total: int) -> None:
-        task, pipeline = r.task, self._prefetch
+    def _start_fetch(self, c: PrefixClaim, total: int) -> None:
+        task, pipeline = c.task, self._prefetch
         assert task is not None and pipeline is not None
-        r.fetch_started = True
+        c.fetch_started = True
         unfulfilled = self._stats.unfulfilled_tokens
         if task.local_total > total:
             unfulfilled["peer_miss"] += (task.local_total - total) * self._page_size
-        need = total - r.cached
+        need = total - c.cached
         if need <= 0:
             return
         allowed = need
@@ -221,105 +231,107 @@ class RequestState:
             pages = alloc.allocate(min(allowed, alloc.num_free_pages)) or []
         unfulfilled["host_capacity"] += (allowed - len(pages)) * self._page_size
         task.host_pages = pages
-        task.read_start = r.cached
-        task.read_end = r.cached + len(pages)
+        task.read_start = c.cached
+        task.read_end = c.cached + len(pages)
         self.prefetch_host_pages += len(pages)
         if pages:
             pipeline.submit_read(task)
 
     # ------------------------------------------------------------ hand-over
 
-    def take(self, rid: str, max_pages: int | None) -> CacheHandle:
-        if rid in self._requests and self._requests[rid].agreed is None:
-            raise HiCacheError(f"request {rid!r} has no agreed prefix yet; take runnable ones")
-        r = self._pop(rid)
-        assert r.agreed is not None
+    def take(self, c: PrefixClaim, max_pages: int | None) -> CacheHandle:
+        """Lock and start loading the agreed prefix of ``c`` (at most ``max_pages`` pages)."""
+        if c.agreed is None:
+            raise HiCacheError(f"request {c.rid!r} has no agreed prefix yet; take runnable ones")
+        self._end(c)
         cache, tree = self._cache, self._cache.tree
-        ready = r.agreed.ready if max_pages is None else min(r.agreed.ready, max_pages)
-        useful = self._finish_task(r, ready, count=True)
+        ready = c.agreed.ready if max_pages is None else min(c.agreed.ready, max_pages)
+        useful = self._finish_task(c, ready, count=True)
         dropped = None
         if useful:
-            assert r.task is not None
-            unbacked = r.node is not tree.root and not r.node.backed_up
+            assert c.task is not None
+            unbacked = c.node is not tree.root and not c.node.backed_up
             if self._config.write.policy == "write_through" and unbacked:
                 dropped = useful  # the host tier must stay a superset of the device tier
                 self._stats.refills_dropped += 1
             else:
-                result = tree.insert_host(r.key, r.task.read_start, useful)
+                result = tree.insert_host(c.key, c.task.read_start, useful)
                 cache.host_pool.allocator.free(result.duplicate_pages)
                 for node in result.new_nodes + result.adopted_nodes:
                     node.backup = BackupTask.already_stored(node)  # children may be stored
             self._stats.storage_hit_tokens += len(useful) * self._page_size
-        handle = cache.match(r.key, limit_pages=ready, extra_host_pages=dropped)
-        handle.prompt_key = r.prompt_key
+        handle = cache.match(c.key, limit_pages=ready, extra_host_pages=dropped)
+        handle.prompt_key = c.prompt_key
         handle.storage_hit_tokens = len(useful) * self._page_size
-        tree.unlock(r.node)
+        tree.unlock(c.node)
         if handle.num_cached_tokens < ready * self._page_size:
             self._note_failure()  # this rank's device pool could not hold the agreed prefix
         return handle
 
-    def cancel(self, rid: str) -> None:
-        r = self._pop(rid)
-        self._finish_task(r, 0, count=False)
-        self._cache.tree.unlock(r.node)
+    def cancel(self, c: PrefixClaim) -> None:
+        """Drop ``c`` without running its request: unlock it, stop and free its prefetch."""
+        self._end(c)
+        self._finish_task(c, 0, count=False)
+        self._cache.tree.unlock(c.node)
 
-    def cancel_all(self) -> None:
-        for rid in list(self._requests):
-            self.cancel(rid)
-
-    def wait_queries(self, rids: Sequence[str], timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` in all for the L3 queries of ``rids`` (a query that
+    def wait_queries(self, claims: Sequence[PrefixClaim], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` in all for the L3 queries of ``claims`` (a query that
         ends in time is agreed in this step; a slow or dead store only costs the wait)."""
         deadline = self._clock() + timeout_s
-        for rid in rids:
-            task = self._requests[rid].task
-            if task is not None:
-                task.queried.wait(max(0.0, deadline - self._clock()))
+        for c in claims:
+            if c.task is not None:
+                c.task.queried.wait(max(0.0, deadline - self._clock()))
 
     def wait(self, timeout: float | None) -> None:
-        for r in self._requests.values():
-            if r.task is not None:
-                r.task.queried.wait(timeout)
-                if r.task.read_started:
-                    r.task.read_finished.wait(timeout)
+        """Wait (locally) for the queries and reads of every claim not taken yet."""
+        for task in list(self._tasks):
+            task.queried.wait(timeout)
+            if task.read_started:
+                task.read_finished.wait(timeout)
 
-    def _pop(self, rid: str) -> _Request:
-        self._runnable = None
-        try:
-            return self._requests.pop(rid)
-        except KeyError:
-            raise HiCacheError(f"request {rid!r} is not admitted (or was taken)") from None
+    def close(self) -> None:
+        """Stop every prefetch not taken yet (the pipelines are closing)."""
+        for task in self._tasks:
+            task.cancelled = True
+        self._tasks.clear()
 
-    def _finish_task(self, r: _Request, ready: int, *, count: bool) -> list[int]:
-        """Stop ``r``'s prefetch; return its slots holding pages below ``ready``, free the
+    def _end(self, c: PrefixClaim) -> None:
+        if c.done:
+            raise HiCacheError(f"request {c.rid!r} was already taken or cancelled")
+        c.done = True
+        if c.task is not None:
+            self._tasks.discard(c.task)
+
+    def _finish_task(self, c: PrefixClaim, ready: int, *, count: bool) -> list[int]:
+        """Stop ``c``'s prefetch; return its slots holding pages below ``ready``, free the
         rest behind the task (the read thread may still be writing them)."""
-        task = r.task
+        task = c.task
         if task is None:
             return []
         task.cancelled = True
-        keep = max(0, ready - task.read_start) if r.fetch_started else 0
+        keep = max(0, ready - task.read_start) if c.fetch_started else 0
         useful, rest = task.host_pages[:keep], task.host_pages[keep:]
         self._cache.host_pool.allocator.free(rest, fence=task)
         self.prefetch_host_pages -= len(task.host_pages)
         if count:
-            self._count(r, ready)
+            self._count(c, ready)
         return useful
 
-    def _count(self, r: _Request, ready: int) -> None:
-        task, stats, ps = r.task, self._stats, self._page_size
+    def _count(self, c: PrefixClaim, ready: int) -> None:
+        task, stats, ps = c.task, self._stats, self._page_size
         assert task is not None
         read = task.pages_read - task.read_start
         stats.prefetched_pages += read
         stats.prefetched_bytes += read * self._cache.kv.page_bytes
-        stats.prefetch_latency_s += self._clock() - r.admitted_at
+        stats.prefetch_latency_s += self._clock() - c.admitted_at
         if task.failure == "query_failed":
             stats.prefetch_query_failures += 1
-        if r.agreed is None or r.agreed.total <= ready:
+        if c.agreed is None or c.agreed.total <= ready:
             return
-        missing = (r.agreed.total - ready) * ps
-        if r.agreed.finished != 1:
+        missing = (c.agreed.total - ready) * ps
+        if c.agreed.finished != 1:
             stats.unfulfilled_tokens["terminated"] += missing
         elif task.failure is not None:
             stats.unfulfilled_tokens["read_failed"] += missing
-        elif task.read_end >= r.agreed.total:
+        elif task.read_end >= c.agreed.total:
             stats.unfulfilled_tokens["peer_miss"] += missing
