@@ -36,6 +36,7 @@ from actors.lifecycle import (
 )
 from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
+from hicache_ray.events import EventBatch
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -282,6 +283,30 @@ class Deployment(RankSet):
             reforms=list(self.reforms),
             ranks=answers,
         )
+
+    def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None:
+        """The cache events of the serving generation after batch ``seq`` of journal
+        ``epoch`` (:mod:`hicache_ray.events`); None: take :meth:`cache_snapshot` (the
+        deployment re-formed since, or the batches are no longer kept, or it has no ranks)."""
+        ranks = self._ranks()
+        if not ranks:
+            return None
+        batches: list[EventBatch] | None = ray.get(
+            ranks[0].cache_events.remote(epoch, seq), timeout=30
+        )
+        return batches
+
+    def cache_snapshot(self) -> EventBatch:
+        """What the serving generation's tree holds now, as one batch of cache events.
+
+        Raises:
+            DeploymentError: the deployment has no ranks (broken or shut down).
+        """
+        ranks = self._ranks()
+        if not ranks:
+            raise DeploymentError(f"deployment is {self.state.value}: no cache to describe")
+        snapshot: EventBatch = ray.get(ranks[0].cache_snapshot.remote(), timeout=60)
+        return snapshot
 
     def health(self, timeout_s: float = 10.0) -> list[RankHealth]:
         """Per rank: whether it answers and is stepping, its step count and last error.

@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 from actors.metrics import StatsPublisher
+from actors.waiter import Waiter
 from hicache_ray.compose import RankPlace, compose_rank, rank_device
 from hicache_ray.controller import CacheController, start_rendezvous
 from hicache_ray.controller.consensus import Rendezvous
 from hicache_ray.errors import HiCacheError
+from hicache_ray.events import EventBatch
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -83,7 +85,7 @@ class RankActor:
         self._lock = threading.Lock()
         self._inbox: list[GenerateRequest] = []  # guarded by _lock
         self._abort_inbox: list[str] = []  # guarded by _lock
-        self._waiters: dict[str, _Waiter] = {}  # guarded by _lock
+        self._waiters: dict[str, Waiter] = {}  # guarded by _lock
         self._stopped: str | None = None  # guarded by _lock: why no request is taken
         self._loop: StepLoop | None = None
         self.error: str | None = None
@@ -160,7 +162,7 @@ class RankActor:
         if self._loop is not None:
             self._loop.wake()
 
-    def _enqueue(self, request: object, *, stream: bool) -> _Waiter | RequestResult:
+    def _enqueue(self, request: object, *, stream: bool) -> Waiter | RequestResult:
         if self.rank != 0:
             raise ValueError("requests go to rank 0")
         try:  # a named actor is a door of its own: anyone on the cluster can call it
@@ -169,7 +171,7 @@ class RankActor:
         except RequestError as exc:
             return error_result(request, str(exc))
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop, loop.create_future(), asyncio.Queue() if stream else None)
+        waiter = Waiter(loop, loop.create_future(), asyncio.Queue() if stream else None)
         with self._lock:
             if self._stopped is not None:
                 raise RankFailure(f"rank {self.rank} stopped: {self._stopped}")
@@ -234,6 +236,21 @@ class RankActor:
         with self._lock:
             inbox = bool(self._inbox)
         return rt is not None and not (inbox or rt.has_work or rt.busy)
+
+    def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None:
+        """Rank 0: the cache-event batches after batch ``seq`` of journal ``epoch``; None
+        when the caller must take :meth:`cache_snapshot` instead (another journal: this
+        generation's is new; or batches no longer kept)."""
+        events = self.controller.events if self.controller is not None else None
+        if events is None or epoch != events.epoch:
+            return None
+        return events.since(seq)
+
+    def cache_snapshot(self) -> EventBatch:
+        """Rank 0: what the tree holds now, as one batch of cache events (between steps)."""
+        assert self.controller is not None and self.controller.events is not None
+        snapshot: EventBatch = self._between_steps(self.controller.events.snapshot)
+        return snapshot
 
     def flush_storage(self) -> None:
         """Wait until the L3 pages this rank stored so far outlive it (see the backend)."""
@@ -370,31 +387,3 @@ class RankActor:
             waiter = self._waiters.pop(result.rid, None)
         if waiter is not None:
             waiter.loop.call_soon_threadsafe(waiter.succeed, result)
-
-
-class _Waiter:
-    """A caller of rank 0 waiting for one request: its loop, its result, and for a stream
-    the queue of chunks (the step thread fills both through ``call_soon_threadsafe``)."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        future: asyncio.Future[Any],
-        chunks: asyncio.Queue[StreamChunk | Exception] | None,
-    ) -> None:
-        self.loop = loop
-        self.future = future
-        self.chunks = chunks
-
-    def succeed(self, result: RequestResult) -> None:
-        if self.chunks is not None:
-            self.chunks.put_nowait(StreamChunk(tokens=[], result=result))
-        if not self.future.done():
-            self.future.set_result(result)
-
-    def fail(self, error: Exception) -> None:
-        if self.chunks is not None:
-            self.chunks.put_nowait(error)
-        if not self.future.done():
-            self.future.set_exception(error)
-            self.future.exception()  # retrieved: a stream's caller reads the queue instead

@@ -104,6 +104,8 @@ def compose_rank(
         device=place.device,
         host_budget_bytes=cfg.host_budget_bytes or None,
     )
+    if place.rank == 0:  # every rank's tree is the same: rank 0's journal tells them all
+        controller.publish_events()
     model = ReferenceModel(cfg.model, shard, tp_all_reduce=groups.tp_reduce, device=place.device)
     executor = StageExecutor(
         *(model, place.rank, cfg.tp_size, cfg.pp_size),

@@ -102,8 +102,8 @@ class RankRuntime:
         self.max_running = sched.max_running
         self.logits: dict[str, list[torch.Tensor]] = {}
         controller.broadcast_as(GenerateRequest)  # every rank decodes our request type
-        self._pool_tokens = controller.cache.device_pool.num_tokens
-        pages = controller.cache.device_pool.num_pages
+        self._pool_tokens = controller.device_pool.num_tokens
+        pages = controller.device_pool.num_pages
         self.table = RequestTable(pages, self.page_size, sched.max_queued)
         self._aborts: list[str] = []  # rank 0: aborted by callers, for the next step
         self._out = StepOutput()
@@ -131,7 +131,7 @@ class RankRuntime:
     def enqueue(self, request: GenerateRequest) -> None:
         """Queue a request checked at the caller's door (rank 0): one whose id is in flight,
         or past ``max_queued``, is answered with an error result at the next step."""
-        if self.ctl.consensus.rank != 0:
+        if self.ctl.rank != 0:
             raise ValueError("requests are submitted on rank 0")
         refused = self.table.offer(self._record(request, time.perf_counter()))
         if refused is not None:
@@ -227,7 +227,7 @@ class RankRuntime:
         # Pages this request prefetched that another request already loaded to the device
         # are device hits for this one: L3 hits are the prefetched part of the host hit.
         result.storage_hit_tokens = min(handle.storage_hit_tokens, handle.host_hit_tokens)
-        page_bytes = self.ctl.cache.kv.page_bytes
+        page_bytes = self.ctl.page_bytes
         result.load_bytes = handle.host_hit_tokens // self.page_size * page_bytes
         result.prefetch_bytes = handle.storage_hit_tokens // self.page_size * page_bytes
         # Room for the rest of the prompt and the whole answer: the admission budget kept
@@ -288,7 +288,7 @@ class RankRuntime:
             tokens = self.executor.run(
                 ids,
                 segments,
-                self.ctl.cache.device_pool,
+                self.ctl.device_pool,
                 rows,
                 sample,
                 wait_layer=wait_layer if first else None,
@@ -352,7 +352,7 @@ class RankRuntime:
         except CollectiveError:
             raise
         except Exception as exc:
-            log.exception("request %s failed on rank %d", rid, self.ctl.consensus.rank)
+            log.exception("request %s failed on rank %d", rid, self.ctl.rank)
             why = f"{type(exc).__name__}: {exc}"
             self._drop(rid, failed_result(rid, why, ErrorKind.INTERNAL))
             self.ctl.agree_failure(ordinal)

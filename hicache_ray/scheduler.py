@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hicache_ray.cache import CacheHandle
@@ -138,9 +137,6 @@ class RequestTable:
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._records
-
-    def __iter__(self) -> Iterator[RankRequest]:
-        return iter(list(self._records.values()))
 
     def get(self, rid: str) -> RankRequest | None:
         """The record of ``rid``, or None when it is not on this rank."""

@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 
+from apps.bench.tree_sglang import sglang_tree_figures
 from apps.bench.workload import shared_prefix_requests
 from apps.report import Figure, figure, fp16_kv, time_into
 from hicache_ray.memory import DevicePool, HostPool, PageAllocator, Transfer, TransferEngine
@@ -172,6 +173,7 @@ def tree_figures(opts: MicroOptions, log: Callable[[str], None]) -> list[Figure]
         figure("tree.request_per_s", n / walk_s, "1/s"),
         figure("tree.request_per_s.with_encoding", n / (walk_s + encode_s), "1/s"),
     ]
+    figures += sglang_tree_figures(keys, opts.page_size, figures, log)
     log(f"tree: {opts.large_requests} requests (a tree of over a million tokens at full size)")
     large = shared_prefix_requests(
         opts.large_requests, opts.num_prefixes, opts.prefix_len, opts.suffix_len, seed=1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hicache_ray.cache import HiCache
 from hicache_ray.controller.backup import BackupPipeline, BackupTask
-from hicache_ray.keys import page_hashes
+from hicache_ray.keys import node_page_hashes
 from hicache_ray.stats import ControllerStats
 from hicache_ray.tree import BackupMark, TreeNode
 
@@ -135,15 +135,5 @@ class Acknowledger:
 
     def _hashes(self, node: TreeNode) -> list[str]:
         """Page hashes of ``node`` (chained from the root), cached on the nodes."""
-        root = self._cache.tree.root
-        chain = []
-        while node is not root and node.page_hashes is None:
-            chain.append(node)
-            assert node.parent is not None
-            node = node.parent
-        prior = b"" if node is root else bytes.fromhex(node.page_hashes[-1])  # type: ignore[index]
-        page_size = self._cache.page_size
-        for n in reversed(chain):
-            n.page_hashes = page_hashes(n.key, page_size, salt=self._salt or None, prior=prior)
-            prior = bytes.fromhex(n.page_hashes[-1])
-        return chain[0].page_hashes if chain else node.page_hashes  # type: ignore[return-value]
+        cache = self._cache
+        return node_page_hashes(node, cache.tree.root, cache.page_size, self._salt)

@@ -40,8 +40,10 @@ from hicache_ray.controller.claims import Claims, PrefixClaim
 from hicache_ray.controller.consensus import Consensus, ConsensusError, LocalConsensus
 from hicache_ray.controller.prefetch import PrefetchPipeline
 from hicache_ray.controller.protocol import Arrival, ArrivalLike, Header, StepCodec
+from hicache_ray.events import CacheEvents
 from hicache_ray.keys import plan_shard
 from hicache_ray.layout import ShardKV
+from hicache_ray.memory import DevicePool
 from hicache_ray.stats import ControllerStats
 from hicache_ray.storage import StorageBackend, create_backend
 from hicache_ray.tree.tokens import TokenIds
@@ -130,6 +132,7 @@ class CacheController:
             self.cache, config, self.prefetch, self.counters, self.note_failure, clock
         )
         self._codec = StepCodec(Arrival)
+        self.events: CacheEvents | None = None  # the tree's journal (rank 0 publishes it)
         self._step = 0
         self._failed_since_step = False
         self._contributed: list[int] | None = None  # this rank's facts at the last exchange
@@ -161,6 +164,8 @@ class CacheController:
         admitting = len(arrivals) + len(aborts)
         payload = self._codec.encode(arrivals, aborts) if admitting else b""
         self.cache.poll()
+        if self.events is not None:  # what the last step's work changed, as one batch
+            self.events.flush()
         facts = Header.local(
             arrivals=admitting,
             payload_bytes=len(payload),
@@ -230,6 +235,15 @@ class CacheController:
         self.counters.consensus_s += time.perf_counter() - start
         self.claims.apply(claims, agreed, on_arrival=True)
 
+    def publish_events(self, keep_batches: int = 256) -> CacheEvents:
+        """Journal this rank's tree as cache events (one batch per step that changed it;
+        :mod:`hicache_ray.events`); the last ``keep_batches`` batches stay readable."""
+        if self.events is None:
+            salt = self.config.storage.tenant_salt
+            self.events = CacheEvents(self.cache.tree, salt, keep_batches=keep_batches)
+            self.cache.tree.observer = self.events
+        return self.events
+
     def broadcast_as(self, arrival_type: type[Any]) -> None:
         """Broadcast arrivals as ``arrival_type`` structs (a scheduler's own request type, so
         every rank decodes the whole request once; :class:`Arrival` until called)."""
@@ -256,6 +270,21 @@ class CacheController:
         self._failed_since_step = True
 
     # ---------------------------------------------------------------- requests
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in its consensus group (0 admits requests)."""
+        return self.consensus.rank
+
+    @property
+    def device_pool(self) -> DevicePool:
+        """This rank's L1 pool (the forward reads and writes its KV there)."""
+        return self.cache.device_pool
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of this rank's KV shard."""
+        return self.cache.kv.page_bytes
 
     def take(self, claim: PrefixClaim, max_pages: int | None = None) -> CacheHandle:
         """Lock and start loading the agreed cached prefix of ``claim`` (at most

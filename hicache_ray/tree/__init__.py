@@ -1,6 +1,6 @@
 """The hierarchical radix tree, its nodes and write policies."""
 
-from hicache_ray.tree.node import BackupMark, MatchResult, Pending, TreeNode
+from hicache_ray.tree.node import BackupMark, MatchResult, Pending, Tier, TierObserver, TreeNode
 from hicache_ray.tree.policies import WriteRule, write_rule
 from hicache_ray.tree.radix_tree import HiRadixTree, InsertResult
 
@@ -10,6 +10,8 @@ __all__ = [
     "InsertResult",
     "MatchResult",
     "Pending",
+    "Tier",
+    "TierObserver",
     "TreeNode",
     "WriteRule",
     "write_rule",

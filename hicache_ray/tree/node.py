@@ -6,7 +6,16 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BackupMark", "InsertResult", "MatchResult", "Pending", "TreeNode"]
+__all__ = [
+    "BackupMark",
+    "InsertResult",
+    "MatchResult",
+    "Pending",
+    "SILENT",
+    "Tier",
+    "TierObserver",
+    "TreeNode",
+]
 
 
 class BackupMark(enum.Enum):
@@ -14,6 +23,34 @@ class BackupMark(enum.Enum):
 
     FAILED = "failed"  # a backup of its pages failed on some rank (a later write retries)
     WAITING = "waiting"  # its parent has no host copy yet: backed up once the parent is
+
+
+class Tier(enum.Enum):
+    """The tiers a node's KV may live in (L3 is the storage's, not the tree's)."""
+
+    DEVICE = "device"  # L1
+    HOST = "host"  # L2
+
+
+class TierObserver(Protocol):
+    """Told each time a node gains or loses its copy in a tier (cache events)."""
+
+    def stored(self, node: TreeNode, tier: Tier) -> None: ...
+
+    def removed(self, node: TreeNode, tier: Tier) -> None: ...
+
+
+class _Silent:
+    """The observer of a tree nobody listens to."""
+
+    def stored(self, node: TreeNode, tier: Tier) -> None:
+        pass
+
+    def removed(self, node: TreeNode, tier: Tier) -> None:
+        pass
+
+
+SILENT: TierObserver = _Silent()
 
 
 class Pending(Protocol):
@@ -104,6 +141,10 @@ class TreeNode:
         mid.children[self.key[:page_bytes]] = self
         mid.num_device_children = 0 if self.device_pages is None else 1
         return mid
+
+    def pages(self, tier: Tier) -> list[int] | None:
+        """The node's pages in ``tier`` (None: no copy there)."""
+        return self.device_pages if tier is Tier.DEVICE else self.host_pages
 
     @property
     def evicted(self) -> bool:

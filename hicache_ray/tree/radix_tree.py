@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from hicache_ray.tree.eviction import lru_batch
 from hicache_ray.tree.integrity import Tally, check_tree
-from hicache_ray.tree.node import InsertResult, MatchResult, Pending, TreeNode
+from hicache_ray.tree.node import SILENT, InsertResult, MatchResult, Pending, Tier, TreeNode
 from hicache_ray.tree.tokens import TOKEN_BYTES, TokenIds, common_pages, encode_tokens
 
 __all__ = ["HiRadixTree", "InsertResult"]
@@ -44,6 +44,7 @@ class HiRadixTree:
         self.num_device_pages = 0
         self.num_host_pages = 0
         self.num_nodes = 0
+        self.observer = SILENT  # told of every tier change (cache events)
 
     # ------------------------------------------------------------------ queries
 
@@ -241,11 +242,13 @@ class HiRadixTree:
         node.host_pages = pages
         node.host_pending = pending
         self.num_host_pages += len(pages)
+        self.observer.stored(node, Tier.HOST)
 
     def clear_host(self, node: TreeNode) -> list[int]:
         """Drop the host copy of ``node`` (e.g. its write failed); returns its pages."""
         pages = node.host_pages or []
         if node.host_pages is not None:
+            self.observer.removed(node, Tier.HOST)
             node.host_pages = None
             node.host_pending = None
             self.num_host_pages -= len(pages)
@@ -290,11 +293,7 @@ class HiRadixTree:
             if node.host_locked or node.device_pages is not None or node.children:
                 continue
             parent = node.parent
-            freed.extend(node.host_pages or ())
-            if node.host_pages is not None:
-                self.num_host_pages -= len(node.host_pages)
-                node.host_pages = None
-            self._delete(node)
+            freed.extend(self.clear_host(node))  # a host-only leaf: deleted with its copy
             if parent is not None and parent in self._host_leaves and not parent.host_locked:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
@@ -351,9 +350,11 @@ class HiRadixTree:
         parent.num_device_children += 1
         self._refresh(node)
         self._refresh(parent)
+        self.observer.stored(node, Tier.DEVICE)
 
     def _clear_device(self, node: TreeNode) -> None:
         assert node.device_pages is not None
+        self.observer.removed(node, Tier.DEVICE)
         self.num_device_pages -= len(node.device_pages)
         node.device_pages = None
         node.device_pending = None

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from hicache_ray.compose import RankPlace, compose_rank, rank_device
+from hicache_ray.events import BlockStored
 from hicache_ray.model import preset
+from hicache_ray.request import GenerateRequest
 from hicache_ray.spec import DeploymentConfig
 
 
@@ -34,3 +36,26 @@ def test_a_rank_is_on_the_cpu_unless_it_reserves_a_gpu_it_sees() -> None:
     assert rank_device(DeploymentConfig()) == torch.device("cpu")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert rank_device(DeploymentConfig(gpus_per_rank=1)).type == expected
+
+
+def test_rank_0_journals_its_tree_one_batch_per_step_that_changed_it() -> None:
+    config = DeploymentConfig(model=preset("tiny"))
+    rank = compose_rank(config)
+    try:
+        events = rank.controller.events
+        assert events is not None and rank.controller.cache.tree.observer is events
+        rt = rank.runtime
+        rt.submit(GenerateRequest("a", list(range(40)), 2))
+        while rt.has_work:
+            rt.step()
+        rt.step()  # the next step publishes what the last one changed
+        batches = events.since(0)
+        assert batches is not None and [b.seq for b in batches] == list(range(1, events.seq + 1))
+        stored = [e for b in batches for e in b.batch.events if isinstance(e, BlockStored)]
+        page = config.cache.memory.page_size
+        assert sum(len(e.block_hashes) for e in stored) >= 40 // page
+        quiet = events.seq
+        rt.step()
+        assert events.seq == quiet  # an idle step adds no batch
+    finally:
+        rank.close()

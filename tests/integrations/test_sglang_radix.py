@@ -5,7 +5,6 @@ both halves)."""
 from __future__ import annotations
 
 from array import array
-from typing import Any
 
 import torch
 from hypothesis import given, settings
@@ -13,23 +12,12 @@ from hypothesis import strategies as st
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from apps.bench.tree_sglang import NullAllocator
 from tests.tree.test_lru_reference import _TRACES, PAGE, _replay
 
 
-class _Allocator:
-    """The allocator a simulated RadixCache frees into (nothing to free here)."""
-
-    device = "cpu"
-
-    def free_segment(self, value: Any, start_pos: int = 0) -> None:
-        pass
-
-    def free(self, value: Any) -> None:
-        pass
-
-
 def _sglang(trace: list[list[int]], capacity: int) -> list[int]:
-    cache = RadixCache.create_simulated(mock_allocator=_Allocator(), page_size=PAGE)
+    cache = RadixCache.create_simulated(mock_allocator=NullAllocator(), page_size=PAGE)
     out = []
     for tokens in trace:
         whole = tokens[: len(tokens) - len(tokens) % PAGE]

@@ -26,6 +26,7 @@ def test_bench_micro_quick_writes_schema(tmp_path: Path) -> None:
         assert f"transfer.load.{layout}.gbps" in names
         assert f"transfer.write.{layout}.gbps" in names
     assert {"tree.insert_per_s", "tree.match_per_s", "tree.evict_all_s"} <= names
+    assert {"tree.vs_sglang.insert", "tree.vs_sglang.match"} <= names  # SGLang in make's venv
     assert {"consensus.step_us.world2", "consensus.step_us.world4", "fetch.l3_to_l1.gbps"} <= names
     for f in report.figures:
         if f.name.startswith("transfer."):

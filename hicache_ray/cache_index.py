@@ -1,0 +1,116 @@
+"""Which pages each replica holds per tier, kept from the replicas' cache events.
+
+One :class:`CacheIndex` per Serve application (a router's): for each replica, the page
+hashes it holds in L1 (``"GPU"``) and in L2 (``"CPU"``), replayed from its journal
+(:mod:`hicache_ray.events`). A batch whose sequence number does not follow the last one,
+or that comes from another journal (a restarted or re-formed replica), is refused:
+:meth:`CacheIndex.apply` returns False and the subscriber resets the replica from a
+snapshot. Memory stays bounded by what the replicas hold: a page leaves the index with its
+``BlockRemoved``, and a replica's pages with the replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hicache_ray.events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+)
+from hicache_ray.tree import Tier
+
+__all__ = ["CacheIndex", "Hits"]
+
+_L1, _L2 = MEDIUM[Tier.DEVICE], MEDIUM[Tier.HOST]
+
+
+@dataclass(frozen=True)
+class Hits:
+    """What a replica holds of a prompt's leading pages.
+
+    Attributes:
+        device: leading pages in L1.
+        host: the leading pages past those that L2 holds (so ``device + host`` leading
+            pages need no prefill there).
+    """
+
+    device: int = 0
+    host: int = 0
+
+
+@dataclass
+class _Replica:
+    epoch: str = ""
+    seq: int = 0
+    pages: dict[str, set[str]] = field(default_factory=lambda: {_L1: set(), _L2: set()})
+
+
+class CacheIndex:
+    """The cached pages of every replica of an application (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, _Replica] = {}
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    @property
+    def size(self) -> int:
+        """Page entries held (over every replica and tier)."""
+        return sum(len(s) for r in self._replicas.values() for s in r.pages.values())
+
+    def position(self, replica: str) -> tuple[str, int]:
+        """The journal and the last batch of ``replica`` applied ("", 0: none)."""
+        r = self._replicas.get(replica)
+        return ("", 0) if r is None else (r.epoch, r.seq)
+
+    def apply(self, replica: str, published: EventBatch) -> bool:
+        """Apply ``replica``'s next batch; False (and nothing changed) when it is not the
+        next one of the journal already applied: reset the replica from a snapshot."""
+        r = self._replicas.get(replica)
+        if r is None or published.epoch != r.epoch or published.seq != r.seq + 1:
+            return False
+        _play(r, published.batch.events)
+        r.seq = published.seq
+        return True
+
+    def reset(self, replica: str, snapshot: EventBatch) -> None:
+        """Replace what is known of ``replica`` by its snapshot (or first batch)."""
+        r = _Replica(snapshot.epoch, snapshot.seq)
+        _play(r, snapshot.batch.events)
+        self._replicas[replica] = r
+
+    def remove(self, replica: str) -> None:
+        """Forget ``replica`` (gone from the application)."""
+        self._replicas.pop(replica, None)
+
+    def hits(self, replica: str, hashes: Sequence[str]) -> Hits:
+        """What ``replica`` holds of the prompt whose page hashes are ``hashes``."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return Hits()
+        l1, l2 = r.pages[_L1], r.pages[_L2]
+        device = 0
+        while device < len(hashes) and hashes[device] in l1:
+            device += 1
+        cached = device
+        while cached < len(hashes) and (hashes[cached] in l2 or hashes[cached] in l1):
+            cached += 1
+        return Hits(device, cached - device)
+
+
+def _play(r: _Replica, events: Sequence[Event]) -> None:
+    for event in events:
+        if isinstance(event, BlockStored):
+            r.pages.setdefault(event.medium or _L1, set()).update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            r.pages.setdefault(event.medium or _L1, set()).difference_update(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            for held in r.pages.values():
+                held.clear()
