@@ -10,7 +10,8 @@ longest prefix (where that floor stands highest above TTFT noise).
 take alone plus 10 ms (the memory store delivers by copying: the copy of the same bytes).
 (b) Pure-miss overhead: prompts that share nothing, served with the full cache (host writes,
 L3 queries and backups on) and with it off (no storage; write_back with room to spare, so
-nothing is copied), alternating so noise hits both alike.
+nothing is copied), alternating so noise hits both alike; and the cost of the cache events
+(``runtime.events.overhead_pct``: rank 0's journal on and off, the full cache both times).
 (c) On TP=2 and TP=4 deployments: the rest of an L1 hit (``apps.bench.runtime_tp``).
 """
 
@@ -31,6 +32,7 @@ from hicache_ray.model import ModelConfig, preset
 from hicache_ray.runtime import GenerateRequest, RequestResult
 from hicache_ray.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
+from hicache_ray.tree import SILENT
 
 __all__ = ["RuntimeBenchOptions", "run_runtime_bench"]
 
@@ -216,29 +218,45 @@ def _l3_figure(l3: list[RequestResult], log: Callable[[str], None]) -> Figure:
     )
 
 
-def _miss_figure(
-    model: ModelConfig, opts: RuntimeBenchOptions, log: Callable[[str], None]
-) -> Figure:
-    on = _Deployment(model, opts, MemoryObjects())
-    off = _Deployment(model, opts, None)
-    times: dict[str, list[float]] = {"on": [], "off": []}
+def _paired_ttft(
+    arms: dict[str, _Deployment], opts: RuntimeBenchOptions, vocab: int, seed: int
+) -> dict[str, float]:
+    """Median TTFT of each arm on prompts that share nothing, served in turns so noise
+    hits every arm alike (the first turn warms up); the arms are closed after."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
     for i in range(opts.miss_requests + 1):
-        for name, dep in (("on", on), ("off", off)):
-            tokens = random_tokens(
-                model.vocab_size, opts.miss_length, 7_000_000 + 2 * i + len(name)
-            )
+        for j, (name, dep) in enumerate(arms.items()):
+            tokens = random_tokens(vocab, opts.miss_length, seed + len(arms) * i + j)
             ttft = dep.serve(tokens).ttft_s
-            if i:  # the first pair warms up
+            if i:
                 times[name].append(ttft)
-    on.close()
-    off.close()
-    mean_on, mean_off = statistics.median(times["on"]), statistics.median(times["off"])
-    pct = (mean_on - mean_off) / mean_off * 100
+    for dep in arms.values():
+        dep.close()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _miss_figures(
+    model: ModelConfig, opts: RuntimeBenchOptions, log: Callable[[str], None]
+) -> list[Figure]:
+    """The full cache's cost on a miss (host writes, L3 queries and backups), and the cache
+    events' (rank 0's journal of the tree, on a deployment with the full cache)."""
+    arms = {"on": _Deployment(model, opts, MemoryObjects()), "off": _Deployment(model, opts, None)}
+    med = _paired_ttft(arms, opts, model.vocab_size, 7_000_000)
+    silent = _Deployment(model, opts, MemoryObjects())
+    silent.ctl.events, silent.ctl.cache.tree.observer = None, SILENT  # nobody journals
+    events = {"events": _Deployment(model, opts, MemoryObjects()), "silent": silent}
+    ev = _paired_ttft(events, opts, model.vocab_size, 8_000_000)
     log(
-        f"runtime: pure miss TTFT (median of {opts.miss_requests}) {mean_on * 1e3:.1f} ms with "
-        f"the cache, {mean_off * 1e3:.1f} ms without"
+        f"runtime: pure miss TTFT (median of {opts.miss_requests}) {med['on'] * 1e3:.1f} ms with "
+        f"the cache, {med['off'] * 1e3:.1f} ms without; {ev['events'] * 1e3:.1f} ms with "
+        f"cache events, {ev['silent'] * 1e3:.1f} ms without"
     )
-    return figure("runtime.pure_miss.overhead_pct", pct, "%", target=3, better="lower")
+    pct = (med["on"] - med["off"]) / med["off"] * 100
+    events_pct = (ev["events"] - ev["silent"]) / ev["silent"] * 100
+    return [
+        figure("runtime.pure_miss.overhead_pct", pct, "%", target=3, better="lower"),
+        figure("runtime.events.overhead_pct", events_pct, "%", target=3, better="lower"),
+    ]
 
 
 def run_runtime_bench(
@@ -250,7 +268,7 @@ def run_runtime_bench(
     length, hits = max(opts.prefix_lengths), 3 * opts.repeats
     return [
         *_tier_figures(model, opts, log),
-        _miss_figure(model, opts, log),
+        *_miss_figures(model, opts, log),
         *deployment_figures(
             model, opts.tp_sizes, length, opts.new_tokens, opts.page_size, hits, log
         ),

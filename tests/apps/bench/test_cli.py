@@ -108,6 +108,7 @@ def test_bench_runtime_quick_writes_every_figure(tmp_path: Path) -> None:
             assert by_name[f"runtime.ttft_ms.{tier}.{length}"].value > 0
     assert by_name["runtime.l2_hit.overhead_vs_floor"].target == 1.5
     assert by_name["runtime.pure_miss.overhead_pct"].target == 3
+    assert by_name["runtime.events.overhead_pct"].target == 3
     assert by_name["runtime.hit_rest_ms.tp1"].target == 10.0
     assert by_name["runtime.l3_prefetch_vs_store"].target == 2.0
     assert by_name["runtime.l1.ttft_split.forward_s_p50_ms"].value > 0
