@@ -11,7 +11,7 @@ snapshot. Memory stays bounded by what the replicas hold: a page leaves the inde
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hicache_ray.events import (
@@ -24,7 +24,7 @@ from hicache_ray.events import (
 )
 from hicache_ray.tree import Tier
 
-__all__ = ["CacheIndex", "Hits"]
+__all__ = ["CacheIndex", "Hits", "RouteWeights", "rank_replicas"]
 
 _L1, _L2 = MEDIUM[Tier.DEVICE], MEDIUM[Tier.HOST]
 
@@ -114,3 +114,39 @@ def _play(r: _Replica, events: Sequence[Event]) -> None:
         elif isinstance(event, AllBlocksCleared):
             for held in r.pages.values():
                 held.clear()
+
+
+@dataclass(frozen=True)
+class RouteWeights:
+    """How the cache router values a replica, in prompt tokens whose prefill it saves.
+
+    Attributes:
+        l1: worth of a prompt token cached in the replica's L1.
+        l2: worth of one cached in its L2 only (it is copied to L1 first).
+        queued: cost of one request waiting or running there (its share of the batch).
+    """
+
+    l1: float = 1.0
+    l2: float = 0.8
+    queued: float = 256.0
+
+
+def rank_replicas(
+    replicas: Sequence[str],
+    hits: Mapping[str, Hits],
+    queued: Mapping[str, int],
+    page_size: int,
+    weights: RouteWeights = RouteWeights(),
+) -> list[str] | None:
+    """``replicas`` best first: the prefill each saves (L1 pages worth more than L2 pages)
+    minus its load; None when none holds a page of the prompt (no usable information).
+    L3 pages are left out: every replica reads the same store."""
+    if not any(hits.get(r, Hits()).device or hits.get(r, Hits()).host for r in replicas):
+        return None
+
+    def score(replica: str) -> float:
+        h = hits.get(replica, Hits())
+        saved = (weights.l1 * h.device + weights.l2 * h.host) * page_size
+        return saved - weights.queued * queued.get(replica, 0)
+
+    return sorted(replicas, key=score, reverse=True)

@@ -19,7 +19,7 @@ from hicache_ray.errors import ConfigError
 if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
     from hicache_ray.spec import DeploymentConfig
 
-__all__ = ["SERVE_OPTIONS", "serve_deployment_config"]
+__all__ = ["ROUTERS", "ROUTE_WEIGHTS", "SERVE_OPTIONS", "serve_deployment_config", "serve_replicas"]
 
 # ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``: option -> (default,
 # help); values arrive as strings and are checked by ``serve_deployment_config``.
@@ -36,7 +36,20 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
     "max_queued": ("1024", "requests waiting to start before more are refused (503)"),
     "cpus_per_rank": ("1", "CPUs each rank reserves"),
     "gpus_per_rank": ("0", "GPUs each rank reserves (1 on GPU clusters)"),
+    "replicas": ("1", "engine replicas, each with its own ranks, L1 and L2, over one L3 store"),
+    "router": (
+        "cache",
+        "how the ingress picks a replica (replicas > 1): cache (what their caches hold), "
+        "prefix (Ray's PrefixCacheAffinityRouter) or pow2 (power of two choices)",
+    ),
+    "route_weights": (
+        "",
+        "the cache router's weights, e.g. l1=1,l2=0.8,queued=256,wait_s=0.1 (prompt tokens "
+        "an L1 / L2 page token saves, what a queued request costs, the index's answer time)",
+    ),
 }
+ROUTERS = ("cache", "prefix", "pow2")
+ROUTE_WEIGHTS = ("l1", "l2", "queued", "wait_s")
 
 
 def _number(name: str, value: str, kind: type[int] | type[float]) -> float:
@@ -93,3 +106,26 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
         cpus_per_rank=float(_number("cpus_per_rank", opts["cpus_per_rank"], float)),
         gpus_per_rank=int(_number("gpus_per_rank", opts["gpus_per_rank"], int)),
     )
+
+
+def serve_replicas(args: dict[str, str]) -> tuple[int, str, dict[str, float]]:
+    """The number of engine replicas, the router and its weights of the serve options
+    ``args``."""
+    replicas = int(_number("replicas", args.get("replicas", "1"), int))
+    if not 1 <= replicas <= 64:
+        raise ConfigError("replicas", replicas, "out of range", "give 1 to 64 replicas")
+    router = args.get("router", "cache")
+    if router not in ROUTERS:
+        raise ConfigError("router", router, "unknown router", f"use one of {', '.join(ROUTERS)}")
+    weights: dict[str, float] = {}
+    for item in filter(None, args.get("route_weights", "").split(",")):
+        name, _, value = item.partition("=")
+        if name.strip() not in ROUTE_WEIGHTS:
+            raise ConfigError(
+                "route_weights", item, "unknown weight", f"use {', '.join(ROUTE_WEIGHTS)}"
+            )
+        number = _number(f"route_weights.{name.strip()}", value.strip(), float)
+        if number < 0:
+            raise ConfigError("route_weights", item, "negative", "give a number >= 0")
+        weights[name.strip()] = number
+    return replicas, router, weights

@@ -1,0 +1,237 @@
+"""Several replicas of the OpenAI app, routed by what their caches hold.
+
+``hicache-ray serve --replicas N`` runs one HTTP ingress (:class:`~actors.openai_app.
+OpenAIIngress`: it parses and tokenizes) in front of N :class:`EngineReplica`, each with
+its own deployment (ranks, L1, L2) and all over one shared L3 store. The ingress calls the
+engines through a Serve handle whose request router picks the replica:
+
+* ``cache`` (:class:`CacheAwareRouter`): every engine replica publishes its deployment's
+  cache events to the application's :class:`IndexActor` (a :class:`~hicache_ray.
+  cache_index.CacheIndex`); the router hashes the call's prompt pages and ranks the
+  replicas by the prefill each saves (L1 over L2) against its load
+  (:func:`~hicache_ray.cache_index.rank_replicas`, weights in :class:`~hicache_ray.
+  cache_index.RouteWeights`). No usable information (nothing cached, the index not
+  answering in time): power of two choices. A replica that is down is no candidate, and
+  one at capacity is skipped by Serve's probe, whatever it holds.
+* ``prefix``: Ray's ``PrefixCacheAffinityRouter`` as Ray ships it (it guesses from the
+  prompt text it routed; the calls carry ``prompt`` or ``messages`` for it).
+* ``pow2``: Ray Serve's default, power of two choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import ray
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from actors.deployment import Deployment
+from actors.openai_engine import EngineCall, OpenAIEngine
+from hicache_ray.cache_index import CacheIndex, Hits, RouteWeights, rank_replicas
+from hicache_ray.events import EventBatch
+from hicache_ray.keys import page_hashes
+from hicache_ray.openai.text import text_codec
+from hicache_ray.spec import DeploymentConfig
+
+__all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
+
+log = logging.getLogger(__name__)
+
+PUBLISH_EVERY_S = 0.05  # how often a replica sends its new cache events to the index
+INDEX_WAIT_S = 0.1  # a routing decision waits this long for the index, then goes pow2
+_NAMESPACE = "hicache"
+
+
+class IndexActor:
+    """The application's index (an actor named after it): replicas write, routers read."""
+
+    def __init__(self) -> None:
+        self.index = CacheIndex()
+
+    def position(self, replica: str) -> tuple[str, int]:
+        return self.index.position(replica)
+
+    def apply(self, replica: str, batches: list[EventBatch]) -> bool:
+        """Apply ``replica``'s batches in order; False at the first that does not follow."""
+        return all(self.index.apply(replica, b) for b in batches)
+
+    def reset(self, replica: str, snapshot: EventBatch) -> None:
+        self.index.reset(replica, snapshot)
+
+    def remove(self, replica: str) -> None:
+        self.index.remove(replica)
+
+    def hits(self, replicas: list[str], hashes: list[str]) -> dict[str, Hits]:
+        return {r: self.index.hits(r, hashes) for r in replicas}
+
+    def size(self) -> int:
+        return self.index.size
+
+    def replicas(self) -> list[str]:
+        return self.index.replicas
+
+
+def index_actor(app: str) -> Any:
+    """The index of application ``app`` (made by whoever asks first; it lives as long as
+    that replica, and the next one to ask makes it again)."""
+    name = f"hicache-index-{app}"
+    actor = ray.remote(num_cpus=0)(IndexActor)
+    return actor.options(name=name, namespace=_NAMESPACE, get_if_exists=True).remote()
+
+
+class _Publisher(threading.Thread):
+    """Sends one deployment's cache events to the index, every ``PUBLISH_EVERY_S``."""
+
+    def __init__(self, deployment: Deployment, app: str, replica: str) -> None:
+        super().__init__(name="hicache-events", daemon=True)
+        self._deployment, self._app, self._replica = deployment, app, replica
+        self._stop = threading.Event()
+        self._index: Any = None
+
+    def run(self) -> None:
+        while not self._stop.wait(PUBLISH_EVERY_S):
+            try:
+                self._publish()
+            except ray.exceptions.ActorDiedError as exc:
+                if "IndexActor" in str(exc):  # its maker went: asked for (made) again
+                    self._index = None
+                log.debug("cache events of %s not published: %s", self._replica, exc)
+            except Exception as exc:  # the ranks are re-forming, or slow: next round
+                log.debug("cache events of %s not published: %s", self._replica, exc)
+
+    def _publish(self) -> None:
+        if self._index is None:
+            self._index = index_actor(self._app)
+        epoch, seq = ray.get(self._index.position.remote(self._replica), timeout=10)
+        batches = self._deployment.cache_events(epoch, seq)
+        if batches is None:
+            snapshot = self._deployment.cache_snapshot()
+            ray.get(self._index.reset.remote(self._replica, snapshot), timeout=10)
+        elif batches and not ray.get(self._index.apply.remote(self._replica, batches), timeout=10):
+            # a gap: forgotten, so the next round's position asks for a snapshot
+            ray.get(self._index.remove.remote(self._replica), timeout=10)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._index is not None:
+            self._index.remove.remote(self._replica)
+
+
+class EngineReplica:
+    """One engine replica: a deployment of ``config`` running OpenAI calls, its cache
+    events published to the application's index as ``app``."""
+
+    def __init__(self, config: DeploymentConfig, app: str) -> None:
+        replica = serve.get_replica_context().replica_id.unique_id
+        # each replica's ranks and placement groups are named apart
+        config = msgspec.structs.replace(config, name=f"{config.name}-{replica}")
+        self.deployment = Deployment.launch(config)
+        self.engine = OpenAIEngine(self.deployment, text_codec(config.model.checkpoint))
+        self._publisher = _Publisher(self.deployment, app, replica)
+        self._publisher.start()
+
+    async def respond(self, call: EngineCall) -> dict[str, Any]:
+        return await self.engine.respond(call)
+
+    async def events(self, call: EngineCall) -> AsyncIterator[bytes]:
+        async for event in self.engine.events(call):
+            yield event
+
+    def __del__(self) -> None:
+        self._publisher.stop()
+        self.deployment.shutdown()
+
+
+class CacheAwareRouter(RequestRouter):
+    """Ranks replicas by the prefill their caches save (see the module docstring)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """``app`` (the index's name), ``page_size``, ``salt`` (the L3 keys' tenant salt),
+        the :class:`RouteWeights` ``l1``, ``l2``, ``queued``, and ``wait_s``: how long a
+        decision waits for the index before it routes by power of two choices."""
+        self._app = str(kwargs.get("app", ""))
+        self._page_size = int(kwargs.get("page_size", 0))
+        self._salt = str(kwargs.get("salt", ""))
+        defaults = RouteWeights()
+        self._weights = RouteWeights(
+            l1=float(kwargs.get("l1", defaults.l1)),
+            l2=float(kwargs.get("l2", defaults.l2)),
+            queued=float(kwargs.get("queued", defaults.queued)),
+        )
+        self._wait_s = float(kwargs.get("wait_s", INDEX_WAIT_S))
+        self._index: Any = None
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        call = pending_request.args[0] if pending_request and pending_request.args else None
+        request = getattr(call, "request", None)
+        tokens = getattr(request, "tokens", None)
+        if len(candidate_replicas) > 1 and tokens and self._page_size:
+            ranked = await self._ranked(candidate_replicas, tokens)
+            if ranked is not None:
+                return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    async def _ranked(
+        self, candidates: list[RunningReplica], tokens: list[int]
+    ) -> list[RunningReplica] | None:
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        hashes = page_hashes(tokens, self._page_size, salt=self._salt or None)
+        if not hashes:
+            return None
+        try:
+            if self._index is None:
+                self._index = index_actor(self._app)
+            ref = self._index.hits.remote(list(by_id), hashes)
+            hits = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._wait_s)
+        except ray.exceptions.ActorDiedError as exc:  # its maker went: asked for again
+            log.debug("cache index gone: %s", exc)
+            self._index = None
+            return None
+        except Exception as exc:  # slow this time: power of two choices
+            log.debug("cache index not answering: %s", exc)
+            return None
+        queued = {
+            rid: self._replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()
+        }
+        order = rank_replicas(list(by_id), hits, queued, self._page_size, self._weights)
+        return None if order is None else [by_id[rid] for rid in order]
+
+
+# Ray's own prefix router, used as Ray ships it (``ray.serve.llm`` re-exports it, but that
+# package needs httpx, which this environment does not install).
+PREFIX_ROUTER = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+    "PrefixCacheAffinityRouter"
+)
+
+
+def router_config(
+    router: str, app: str, config: DeploymentConfig, weights: dict[str, float]
+) -> Any:
+    """The ``request_router_config`` of the engine deployment for ``router`` (``weights``:
+    the cache router's, see :meth:`CacheAwareRouter.initialize_state`)."""
+    from ray.serve.config import RequestRouterConfig
+
+    if router == "pow2":
+        return None
+    options: dict[str, Any] = {"request_router_class": PREFIX_ROUTER}
+    if router == "cache":
+        options["request_router_class"] = "actors.routing:CacheAwareRouter"
+        options["request_router_kwargs"] = {
+            "app": app,
+            "page_size": config.cache.page_size,
+            "salt": config.cache.storage.tenant_salt,
+            **weights,
+        }
+    return RequestRouterConfig(**options)

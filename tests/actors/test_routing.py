@@ -1,0 +1,170 @@
+"""Two replicas behind the cache router: every conversation's next turn reaches the replica
+whose L1 holds its history (no L3 here, so only that replica can serve it from cache), and
+after that replica's ranks re-form (their cache gone) turns still succeed; the ranking
+itself on fake replicas (hits per tier, load, no information)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import urllib.request
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+
+from hicache_ray.cache_index import Hits, RouteWeights, rank_replicas
+from hicache_ray.errors import ConfigError
+from hicache_ray.keys import page_hashes
+from hicache_ray.serve_options import serve_replicas
+from tests.helpers import ensure_local_ray, wait_until
+
+ray = pytest.importorskip("ray")
+
+PAGE = 4
+
+
+def test_replicas_rank_by_saved_prefill_against_load() -> None:
+    hits = {"a": Hits(device=2), "b": Hits(device=1, host=3), "c": Hits()}
+    assert rank_replicas(["a", "b", "c"], hits, {}, PAGE) == ["b", "a", "c"]  # 3.4 > 2 pages
+    only_l1 = RouteWeights(l2=0.0)
+    assert rank_replicas(["a", "b", "c"], hits, {}, PAGE, only_l1) == ["a", "b", "c"]
+    busy = {"b": 4}  # four requests queued there cost more than its hits save
+    assert rank_replicas(["a", "b", "c"], hits, busy, PAGE)[:2] == ["a", "c"]
+    assert rank_replicas(["a", "b"], {"a": Hits(), "b": Hits()}, {}, PAGE) is None  # pow2
+    assert rank_replicas(["x"], {}, {}, PAGE) is None  # an unknown replica: no information
+
+
+def test_bad_replica_options_are_refused() -> None:
+    assert serve_replicas({}) == (1, "cache", {})
+    weights = {"route_weights": "l1=2, queued=10"}
+    assert serve_replicas({"replicas": "3", "router": "prefix", **weights}) == (
+        3,
+        "prefix",
+        {"l1": 2.0, "queued": 10.0},
+    )
+    bad_options = [
+        {"replicas": "0"},
+        {"replicas": "two"},
+        {"router": "random"},
+        {"route_weights": "l3=1"},
+        {"route_weights": "l1=-1"},
+        {"route_weights": "l1=x"},
+    ]
+    for bad in bad_options:
+        with pytest.raises(ConfigError, match=r"replicas|router|route_weights"):
+            serve_replicas(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def two_replicas() -> Iterator[int]:
+    from ray import serve
+
+    from actors.openai_app import build_app
+
+    ensure_local_ray()
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "model": "tiny4",
+        "storage": "none",
+        "device_tokens": "2048",
+        "page_size": str(PAGE),
+        "replicas": "2",
+        "router": "cache",
+        "route_weights": "wait_s=30",  # a loaded 2-core machine may answer late: no pow2
+    }
+    try:
+        serve.run(build_app(args), name="routed", route_prefix="/")
+        yield port
+    finally:
+        serve.shutdown()
+
+
+def _complete(port: int, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
+    body = json.dumps({"model": "tiny4", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_the_next_turn_reaches_the_replica_that_holds_its_history(
+    ray_local: None, two_replicas: int
+) -> None:
+    port = two_replicas
+    index = ray.get_actor(f"hicache-index-openai-{os.getpid()}", namespace="hicache")
+    turns: list[list[int]] = []
+    holders: dict[int, str] = {}
+    for attempt in range(3):  # first turns at once, so they spread over both replicas
+        new = [
+            [(7 * c + i) % 200 + 1 for i in range(10 * PAGE)]
+            for c in range(6 * attempt, 6 * attempt + 6)
+        ]
+        with concurrent.futures.ThreadPoolExecutor(len(new)) as pool:
+            answers = list(pool.map(lambda p: _complete(port, p), new))
+        assert all(_cached(a) == 0 for a in answers)  # nothing cached anywhere yet
+        turns += new
+        wait_until(partial(_all_held, index, list(turns)), 60, "the first turns in the index")
+        holders = _holders(index, turns)
+        if len(set(holders.values())) == 2:
+            break
+    assert len(set(holders.values())) == 2, "the first turns all went to one replica"
+    for _ in range(2):  # later turns, one at a time: each history is on one replica only
+        for c, prompt in enumerate(turns):
+            turns[c] = prompt + [(c + len(prompt)) % 200 + 1 for _ in range(2 * PAGE)]
+            answer = _complete(port, turns[c])
+            assert _cached(answer) >= len(prompt) // PAGE * PAGE - PAGE, (c, answer["usage"])
+    # The ranks of the replica holding conversation 0 die: its next request re-forms them
+    # (empty caches, a new journal), the index resets it, the other replica keeps routing.
+    lost = _holders(index, turns)[0]
+    name = f"hicache-openai-{os.getpid()}-{lost}-g0-rank0"
+    ray.kill(ray.get_actor(name, namespace="hicache"), no_restart=True)
+    _complete(port, turns[0] + [1] * PAGE)  # routed to the lost replica by what it held
+    wait_until(partial(_forgot, index, lost, turns), 60, "the re-formed replica's reset")
+    kept = {c for c, r in _holders(index, turns).items() if r != lost}
+    assert kept, "the other replica holds its conversations"
+    for c in sorted(kept):
+        answer = _complete(port, turns[c] + [2] * PAGE)
+        assert _cached(answer) >= len(turns[c]) // PAGE * PAGE - PAGE, (c, answer["usage"])
+
+
+def _forgot(index: Any, replica: str, turns: list[list[int]]) -> bool:
+    """The index holds nothing of ``replica``'s old conversations (it re-formed)."""
+    return all(
+        ray.get(index.hits.remote([replica], page_hashes(p, PAGE)))[replica].device < 2
+        for p in turns
+    )
+
+
+def _all_held(index: Any, turns: list[list[int]]) -> bool:
+    return len(_holders(index, turns)) == len(turns)
+
+
+def _holders(index: Any, turns: list[list[int]]) -> dict[int, str]:
+    """Conversation -> the replica whose L1 holds its whole prompt, as the router sees it."""
+    replicas = ray.get(index.replicas.remote())
+    out = {}
+    for c, prompt in enumerate(turns):
+        hits = ray.get(index.hits.remote(replicas, page_hashes(prompt, PAGE)))
+        full = [r for r, h in hits.items() if h.device >= len(prompt) // PAGE]
+        if full:
+            out[c] = full[0]
+    return out
