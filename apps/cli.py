@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from apps.bench.options import FaultOptions, SoakOptions
+from apps.bench.options import FaultOptions, RouteOptions, SoakOptions
 from apps.cli_args import (
     SERVE_OPTIONS,
     add_flags,
@@ -146,6 +146,15 @@ def _deployment_benches(bsub: Any) -> None:
     soak = _command(bsub, "soak", "clients, small pools, every tier, faults", "bench_soak")
     _report_flags(soak)
     add_flags(soak, SoakOptions)
+    route = _command(
+        bsub,
+        "route",
+        "replicas behind each router (cache, prefix, pow2): cached tokens, TTFT, requests/s",
+        "bench_route",
+    )
+    _report_flags(route)
+    add_flags(route, RouteOptions)
+    route.add_argument("--quick", action="store_true", help="tiny model, 2 replicas (smoke)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ T = TypeVar("T")
 __all__ = [
     "bench_faults",
     "bench_micro",
+    "bench_route",
     "bench_runtime",
     "bench_soak",
     "bench_storage",
@@ -184,6 +185,16 @@ def bench_soak(args: argparse.Namespace, _: None) -> int:
     opts = SoakOptions(**flag_values(args, SoakOptions))
     figures = run_soak(opts, _log)
     return finish(args, "bench soak", dataclasses.asdict(opts), figures) or _missed(figures)
+
+
+def bench_route(args: argparse.Namespace, _: None) -> int:
+    from apps.bench.options import RouteOptions
+    from apps.bench.route_bench import run_route_bench
+
+    base = RouteOptions.quick_options() if args.quick else RouteOptions()
+    opts = dataclasses.replace(base, **flag_values(args, RouteOptions))
+    figures = run_route_bench(opts, _log)
+    return finish(args, "bench route", dataclasses.asdict(opts), figures) or _missed(figures)
 
 
 def experiment(args: argparse.Namespace, opts: Any) -> int:

@@ -1,5 +1,5 @@
-"""Options of ``bench faults`` and ``bench soak``, each field that is a CLI flag declared
-once with :func:`~apps.cli_args.flag` (light: ``--help`` imports this module)."""
+"""Options of ``bench faults``, ``bench soak`` and ``bench route``, each field that is a CLI
+flag declared once with :func:`~apps.cli_args.flag` (light: ``--help`` imports this module)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from apps.cli_args import MODEL_PRESETS, csv_of, flag, positive_float, positive_int
 
-__all__ = ["FAULT_SCENARIOS", "FaultOptions", "SoakOptions"]
+__all__ = ["FAULT_SCENARIOS", "ROUTER_NAMES", "FaultOptions", "RouteOptions", "SoakOptions"]
 
 # The scenarios of ``bench faults`` (apps.bench.faults_bench runs them).
 FAULT_SCENARIOS = (
@@ -66,3 +66,51 @@ class SoakOptions:
     )
     check: int = 8
     seed: int = field(default=0, metadata=flag("seed", "seed of the load and faults", type=int))
+
+
+ROUTER_NAMES = ("cache", "prefix", "pow2")  # hicache_ray.serve_options.ROUTERS
+
+
+@dataclass(frozen=True)
+class RouteOptions:
+    """What ``bench route`` runs: multi-turn conversations through the OpenAI endpoint of
+    N replicas, once per router; the conversations' working set exceeds one replica's
+    L1 + L2 but not the cluster's."""
+
+    routers: tuple[str, ...] = field(
+        default=ROUTER_NAMES,
+        metadata=flag("routers", "a subset, A,B", type=csv_of(ROUTER_NAMES), metavar="A,B"),
+    )
+    replicas: tuple[int, ...] = (2, 3)
+    model: str = field(
+        default="bench", metadata=flag("model", "reference model preset", choices=MODEL_PRESETS)
+    )
+    conversations: int = field(
+        default=16, metadata=flag("conversations", "conversations", type=positive_int)
+    )
+    clients: int = field(
+        default=4, metadata=flag("clients", "concurrent clients, closed loop", type=positive_int)
+    )
+    rounds: int = field(default=4, metadata=flag("rounds", "turns each", type=positive_int))
+    system_len: int = 384  # the first turn's prompt, unique per conversation
+    user_len: int = 32
+    answer_len: int = 8
+    page_size: int = 16
+    device_tokens: int = 2048  # L1 per replica; L2 is twice that
+    quick: bool = False
+
+    @classmethod
+    def quick_options(cls) -> RouteOptions:
+        return cls(
+            replicas=(2,),
+            model="tiny4",
+            conversations=6,
+            clients=3,
+            rounds=2,
+            system_len=64,
+            user_len=8,
+            answer_len=4,
+            page_size=8,
+            device_tokens=256,
+            quick=True,
+        )
