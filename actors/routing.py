@@ -44,7 +44,7 @@ __all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
 
 log = logging.getLogger(__name__)
 
-PUBLISH_EVERY_S = 0.05  # how often a replica sends its new cache events to the index
+PUBLISH_EVERY_S = 0.02  # how often a replica sends its new cache events to the index
 INDEX_WAIT_S = 0.1  # a routing decision waits this long for the index, then goes pow2
 _NAMESPACE = "hicache"
 

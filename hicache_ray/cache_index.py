@@ -128,7 +128,7 @@ class RouteWeights:
 
     l1: float = 1.0
     l2: float = 0.8
-    queued: float = 256.0
+    queued: float = 64.0
 
 
 def rank_replicas(

@@ -44,7 +44,7 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
     ),
     "route_weights": (
         "",
-        "the cache router's weights, e.g. l1=1,l2=0.8,queued=256,wait_s=0.1 (prompt tokens "
+        "the cache router's weights, e.g. l1=1,l2=0.8,queued=64,wait_s=0.1 (prompt tokens "
         "an L1 / L2 page token saves, what a queued request costs, the index's answer time)",
     ),
 }

@@ -1,0 +1,28 @@
+"""``bench route --quick``: two replicas behind each router, every figure written, no
+request failed (which router wins is for the full benchmark to say, not a smoke test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from apps.cli import main
+from apps.report import Report
+
+
+def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) -> None:
+    out = tmp_path / "route.json"
+    main(["bench", "route", "--quick", "--json", str(out)])  # exit 1 when a target is missed
+    report = msgspec.json.decode(out.read_bytes(), type=Report)
+    by_name = {f.name: f for f in report.figures}
+    assert report.command == "bench route" and report.config["replicas"] == [2]
+    for router in ("cache", "prefix", "pow2"):
+        assert by_name[f"route.r2.{router}.requests_per_s"].value > 0
+        assert by_name[f"route.r2.{router}.ttft_p50_ms"].value > 0
+        assert by_name[f"route.r2.{router}.failed"].value == 0
+    assert by_name["route.failed_requests"].value == 0
+    assert by_name["route.cache_vs_pow2.hit_tokens"].target == 1.5
+    assert by_name["route.cache_vs_prefix.hit_tokens"].target == 1.1
+    assert by_name["route.cache_vs_pow2.ttft_p50"].target == 0.7
+    assert by_name["route.r2.cache.hit_tokens"].value > 0  # later turns found their history
