@@ -18,6 +18,7 @@ status. A replica takes ``max_running + max_queued`` requests at once
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,7 +57,7 @@ def _error(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 
-class _Front:
+class _Front(ABC):
     """The HTTP side: routes, the body limit, parsing and tokenizing, errors as statuses;
     ``_respond`` and ``_events`` run the call (on this replica or on an engine replica)."""
 
@@ -101,11 +102,13 @@ class _Front:
                 raise OpenAIError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="too_large")
         return bytes(data)
 
+    @abstractmethod
     async def _respond(self, call: EngineCall) -> dict[str, Any]:
-        raise NotImplementedError
+        """The JSON body of a non-streamed call."""
 
+    @abstractmethod
     def _events(self, call: EngineCall) -> AsyncIterator[bytes]:
-        raise NotImplementedError
+        """The server-sent events of a streamed call (nothing before the first chunk)."""
 
     def _drop_store(self) -> None:
         if not self.keep_store and self.config.cache.storage.backend == "ray":

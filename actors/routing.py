@@ -24,6 +24,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -50,20 +51,43 @@ _NAMESPACE = "hicache"
 
 
 class IndexActor:
-    """The application's index (an actor named after it): replicas write, routers read."""
+    """The application's index (an actor named after it): replicas write, routers read.
+    Its size and each replica's lag are gauges: ``hicache_route_index_pages`` (tag
+    ``app``) and ``hicache_route_index_lag_seconds`` (tags ``app``, ``replica``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, app: str = "") -> None:
+        from ray.util.metrics import Gauge
+
         self.index = CacheIndex()
+        self._app = app
+        self._pages = Gauge(
+            "hicache_route_index_pages",
+            description="page entries the cache router's index holds (every replica, tier)",
+            tag_keys=("app",),
+        )
+        self._lag = Gauge(
+            "hicache_route_index_lag_seconds",
+            description="age of the newest cache-event batch applied, per replica",
+            tag_keys=("app", "replica"),
+        )
+
+    def _observe(self, replica: str) -> None:
+        self._pages.set(self.index.size, tags={"app": self._app})
+        lag = self.index.lag_s(replica, time.time())
+        self._lag.set(lag, tags={"app": self._app, "replica": replica})
 
     def position(self, replica: str) -> tuple[str, int]:
         return self.index.position(replica)
 
     def apply(self, replica: str, batches: list[EventBatch]) -> bool:
         """Apply ``replica``'s batches in order; False at the first that does not follow."""
-        return all(self.index.apply(replica, b) for b in batches)
+        applied = all(self.index.apply(replica, b) for b in batches)
+        self._observe(replica)
+        return applied
 
     def reset(self, replica: str, snapshot: EventBatch) -> None:
         self.index.reset(replica, snapshot)
+        self._observe(replica)
 
     def remove(self, replica: str) -> None:
         self.index.remove(replica)
@@ -83,7 +107,7 @@ def index_actor(app: str) -> Any:
     that replica, and the next one to ask makes it again)."""
     name = f"hicache-index-{app}"
     actor = ray.remote(num_cpus=0)(IndexActor)
-    return actor.options(name=name, namespace=_NAMESPACE, get_if_exists=True).remote()
+    return actor.options(name=name, namespace=_NAMESPACE, get_if_exists=True).remote(app)
 
 
 class _Publisher(threading.Thread):

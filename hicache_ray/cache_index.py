@@ -47,6 +47,7 @@ class Hits:
 class _Replica:
     epoch: str = ""
     seq: int = 0
+    ts: float = 0.0  # when the last batch applied was made (the journal's clock)
     pages: dict[str, set[str]] = field(default_factory=lambda: {_L1: set(), _L2: set()})
 
 
@@ -65,6 +66,11 @@ class CacheIndex:
         """Page entries held (over every replica and tier)."""
         return sum(len(s) for r in self._replicas.values() for s in r.pages.values())
 
+    def lag_s(self, replica: str, now: float) -> float:
+        """Seconds between ``now`` and the making of ``replica``'s last batch applied."""
+        r = self._replicas.get(replica)
+        return 0.0 if r is None or not r.ts else max(0.0, now - r.ts)
+
     def position(self, replica: str) -> tuple[str, int]:
         """The journal and the last batch of ``replica`` applied ("", 0: none)."""
         r = self._replicas.get(replica)
@@ -77,12 +83,12 @@ class CacheIndex:
         if r is None or published.epoch != r.epoch or published.seq != r.seq + 1:
             return False
         _play(r, published.batch.events)
-        r.seq = published.seq
+        r.seq, r.ts = published.seq, published.batch.ts
         return True
 
     def reset(self, replica: str, snapshot: EventBatch) -> None:
         """Replace what is known of ``replica`` by its snapshot (or first batch)."""
-        r = _Replica(snapshot.epoch, snapshot.seq)
+        r = _Replica(snapshot.epoch, snapshot.seq, snapshot.batch.ts)
         _play(r, snapshot.batch.events)
         self._replicas[replica] = r
 

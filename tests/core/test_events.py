@@ -179,3 +179,12 @@ def test_the_records_are_vllm_kv_events() -> None:
     raw = msgspec.msgpack.decode(wire)
     assert raw[1][1][0] == "BlockStored" and raw[1][3][0] == "BlockRemoved"
     assert msgspec.msgpack.decode(wire, type=KVEventBatch) == batch
+
+
+def test_the_index_knows_how_old_each_replicas_news_is() -> None:
+    tree = HiRadixTree(PAGE)
+    journal = CacheEvents(tree, clock=lambda: 100.0)
+    tree.observer = journal
+    index = CacheIndex()
+    index.reset("r", journal.snapshot())
+    assert index.lag_s("r", 103.5) == 3.5 and index.lag_s("other", 103.5) == 0.0
