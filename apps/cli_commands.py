@@ -194,7 +194,14 @@ def bench_route(args: argparse.Namespace, _: None) -> int:
     base = RouteOptions.quick_options() if args.quick else RouteOptions()
     opts = dataclasses.replace(base, **flag_values(args, RouteOptions))
     figures = run_route_bench(opts, _log)
-    return finish(args, "bench route", dataclasses.asdict(opts), figures) or _missed(figures)
+    status = finish(args, "bench route", dataclasses.asdict(opts), figures)
+    if args.json:
+        from apps.bench.serve_plot import plot_route
+
+        png = Path(args.json).with_suffix(".png")
+        drawn = plot_route(figures, opts.replicas, opts.routers, png)
+        _log(f"wrote {png}" if drawn else "no matplotlib: no plot")
+    return status or _missed(figures)
 
 
 def experiment(args: argparse.Namespace, opts: Any) -> int:

@@ -1,4 +1,5 @@
-"""The plot of ``hicache-ray bench serve``: per mode, throughput and latency percentiles."""
+"""The plots of ``hicache-ray bench serve`` (per mode, throughput and latency percentiles) and
+``bench route`` (per router, cached tokens and TTFT)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from apps.report import Figure
 
-__all__ = ["plot_serve"]
+__all__ = ["plot_route", "plot_serve"]
 
 
 def plot_serve(figures: Sequence[Figure], modes: Sequence[str], path: str | Path) -> bool:
@@ -42,6 +43,40 @@ def plot_serve(figures: Sequence[Figure], modes: Sequence[str], path: str | Path
         batching = value.get("serve.batching_speedup")
         title += f", batching speedup {batching:.2f}x)" if batching is not None else ")"
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plot_route(
+    figures: Sequence[Figure], replicas: Sequence[int], routers: Sequence[str], path: str | Path
+) -> bool:
+    """Cached prompt tokens and TTFT p50 per router, one group per replica count; False
+    when matplotlib is not installed (nothing written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    value = {f.name: f.value for f in figures}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(routers))
+    for i, router in enumerate(routers):
+        xs = [j + (i - (len(routers) - 1) / 2) * width for j in range(len(replicas))]
+        hits = [value.get(f"route.r{n}.{router}.hit_tokens", 0.0) for n in replicas]
+        ttft = [value.get(f"route.r{n}.{router}.ttft_p50_ms", 0.0) for n in replicas]
+        left.bar(xs, hits, width, label=router)
+        right.bar(xs, ttft, width, label=router)
+    labels = [f"{n} replicas" for n in replicas]
+    left.set_xticks(range(len(replicas)), labels)
+    left.set(ylabel="prompt tokens", title="served from L1 + L2", ylim=(0, None))
+    right.set_xticks(range(len(replicas)), labels)
+    right.set(ylabel="ms", title="TTFT p50", ylim=(0, None))
+    left.legend()
+    fig.suptitle("hicache-ray bench route")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

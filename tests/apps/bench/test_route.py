@@ -26,3 +26,8 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     assert by_name["route.cache_vs_prefix.hit_tokens"].target == 1.1
     assert by_name["route.cache_vs_pow2.ttft_p50"].target == 0.7
     assert by_name["route.r2.cache.hit_tokens"].value > 0  # later turns found their history
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "route.png").exists()
