@@ -36,7 +36,7 @@ from actors.lifecycle import (
 )
 from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
-from hicache_ray.events import EventBatch
+from hicache_ray.events import EventBatch, check_position
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -287,7 +287,12 @@ class Deployment(RankSet):
     def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None:
         """The cache events of the serving generation after batch ``seq`` of journal
         ``epoch`` (:mod:`hicache_ray.events`); None: take :meth:`cache_snapshot` (the
-        deployment re-formed since, or the batches are no longer kept, or it has no ranks)."""
+        deployment re-formed since, or the batches are no longer kept, or it has no ranks).
+
+        Raises:
+            TypeError, ValueError: ``epoch`` not a str, ``seq`` not an int >= 0.
+        """
+        epoch, seq = check_position(epoch, seq)
         ranks = self._ranks()
         if not ranks:
             return None

@@ -38,7 +38,7 @@ from hicache_ray.compose import RankPlace, compose_rank, rank_device
 from hicache_ray.controller import CacheController, start_rendezvous
 from hicache_ray.controller.consensus import Rendezvous
 from hicache_ray.errors import HiCacheError
-from hicache_ray.events import EventBatch
+from hicache_ray.events import EventBatch, check_position
 from hicache_ray.request import (
     GenerateRequest,
     RequestError,
@@ -241,6 +241,7 @@ class RankActor:
         """Rank 0: the cache-event batches after batch ``seq`` of journal ``epoch``; None
         when the caller must take :meth:`cache_snapshot` instead (another journal: this
         generation's is new; or batches no longer kept)."""
+        epoch, seq = check_position(epoch, seq)  # a named actor: anyone can call it
         events = self.controller.events if self.controller is not None else None
         if events is None or epoch != events.epoch:
             return None

@@ -34,6 +34,7 @@ from hicache_ray.tree import HiRadixTree, Tier, TreeNode
 
 __all__ = [
     "MEDIUM",
+    "check_position",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -96,6 +97,22 @@ class EventBatch(msgspec.Struct, frozen=True):
     epoch: str
     seq: int
     batch: KVEventBatch
+
+
+def check_position(epoch: object, seq: object) -> tuple[str, int]:
+    """A subscriber's position (the journal and its last batch applied), checked.
+
+    Raises:
+        TypeError: ``epoch`` is not a str or ``seq`` not an int.
+        ValueError: ``seq`` is negative.
+    """
+    if not isinstance(epoch, str):
+        raise TypeError(f"epoch must be the journal's id (a str), got {type(epoch).__name__}")
+    if type(seq) is not int:
+        raise TypeError(f"seq must be an int (0: none applied), got {type(seq).__name__}")
+    if seq < 0:
+        raise ValueError(f"seq must be >= 0 (0: none applied), got {seq}")
+    return epoch, seq
 
 
 class CacheEvents:

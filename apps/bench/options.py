@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from apps.cli_args import MODEL_PRESETS, csv_of, flag, positive_float, positive_int
+from hicache_ray.serve_options import ROUTERS
 
-__all__ = ["FAULT_SCENARIOS", "ROUTER_NAMES", "FaultOptions", "RouteOptions", "SoakOptions"]
+__all__ = ["FAULT_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
 
 # The scenarios of ``bench faults`` (apps.bench.faults_bench runs them).
 FAULT_SCENARIOS = (
@@ -68,9 +69,6 @@ class SoakOptions:
     seed: int = field(default=0, metadata=flag("seed", "seed of the load and faults", type=int))
 
 
-ROUTER_NAMES = ("cache", "prefix", "pow2")  # hicache_ray.serve_options.ROUTERS
-
-
 @dataclass(frozen=True)
 class RouteOptions:
     """What ``bench route`` runs: multi-turn conversations through the OpenAI endpoint of
@@ -78,8 +76,8 @@ class RouteOptions:
     L1 + L2 but not the cluster's."""
 
     routers: tuple[str, ...] = field(
-        default=ROUTER_NAMES,
-        metadata=flag("routers", "a subset, A,B", type=csv_of(ROUTER_NAMES), metavar="A,B"),
+        default=ROUTERS,
+        metadata=flag("routers", "a subset, A,B", type=csv_of(ROUTERS), metavar="A,B"),
     )
     replicas: tuple[int, ...] = (2, 3)
     model: str = field(

@@ -8,6 +8,7 @@ import itertools
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from hicache_ray.events import (
     CacheEvents,
     EventBatch,
     KVEventBatch,
+    check_position,
 )
 from hicache_ray.keys import node_page_hashes, page_hashes
 from hicache_ray.tree import HiRadixTree, TreeNode
@@ -179,6 +181,19 @@ def test_the_records_are_vllm_kv_events() -> None:
     raw = msgspec.msgpack.decode(wire)
     assert raw[1][1][0] == "BlockStored" and raw[1][3][0] == "BlockRemoved"
     assert msgspec.msgpack.decode(wire, type=KVEventBatch) == batch
+
+
+def test_a_bad_subscriber_position_is_refused() -> None:
+    assert check_position("e", 0) == ("e", 0)
+    for epoch, seq, error in (
+        (None, 0, TypeError),
+        ("e", "1", TypeError),
+        ("e", True, TypeError),
+        ("e", 1.0, TypeError),
+        ("e", -1, ValueError),
+    ):
+        with pytest.raises(error):
+            check_position(epoch, seq)
 
 
 def test_the_index_knows_how_old_each_replicas_news_is() -> None:
