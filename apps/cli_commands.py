@@ -127,8 +127,9 @@ def bench_storage(args: argparse.Namespace, _: None) -> int:
 
     base = StorageBenchOptions.quick() if args.quick else StorageBenchOptions()
     backends = tuple(args.backend or base.backends)
+    engines = ("sglang", "vllm")  # integrations, each with its own benchmark
     opts = dataclasses.replace(
-        base, backends=tuple(b for b in backends if b != "sglang"), root=args.root or ""
+        base, backends=tuple(b for b in backends if b not in engines), root=args.root or ""
     )
     torch.set_num_threads(args.threads)
     figures = run_storage_bench(opts, _log)
@@ -139,6 +140,12 @@ def bench_storage(args: argparse.Namespace, _: None) -> int:
         sglang = SGLangBenchOptions.quick() if args.quick else SGLangBenchOptions()
         figures += run_sglang_bench(sglang, _log)
         config["sglang"] = dataclasses.asdict(sglang)
+    if "vllm" in backends:
+        from apps.bench.vllm_storage import VLLMBenchOptions, run_vllm_bench
+
+        vllm = VLLMBenchOptions.quick() if args.quick else VLLMBenchOptions()
+        figures += run_vllm_bench(vllm, _log)
+        config["vllm"] = dataclasses.asdict(vllm)
     return finish(args, "bench storage", config, figures)
 
 

@@ -98,6 +98,7 @@ def config_reference(classes: list[type], prefixes: dict[type, str]) -> str:
 def _configuration() -> str:
     from hicache_ray import config as c
     from hicache_ray.integrations.sglang_setup import SGLangStoreOptions
+    from hicache_ray.integrations.vllm_setup import VLLMStoreOptions
     from hicache_ray.model.config import ModelConfig
     from hicache_ray.spec import DeploymentConfig
 
@@ -115,11 +116,13 @@ def _configuration() -> str:
         DeploymentConfig,
         ModelConfig,
         SGLangStoreOptions,
+        VLLMStoreOptions,
     ]
     prefixes: dict[type, str] = {
         DeploymentConfig: "actors.",
         ModelConfig: "hicache_ray.model.",
         SGLangStoreOptions: "",
+        VLLMStoreOptions: "",
     }
     return config_reference(classes, prefixes)
 

@@ -16,9 +16,9 @@ from typing import Literal
 
 import msgspec
 
-from hicache_ray.stats import CacheStats, ControllerStats, Published
+from hicache_ray.stats import CacheStats, ConnectorStats, ControllerStats, Published
 
-__all__ = ["METRICS", "SECONDS_BUCKETS", "Metric", "markdown_table"]
+__all__ = ["CONNECTOR_METRICS", "METRICS", "SECONDS_BUCKETS", "Metric", "markdown_table"]
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 # Histogram bucket boundaries (seconds): 1 ms .. 60 s, roughly x2.5 apart.
@@ -99,8 +99,23 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+# The vLLM connector's (hicache_ray.integrations.vllm): vLLM exports them, with its own
+# labels, on its /metrics; ``source`` is the ConnectorStats field.
+CONNECTOR_METRICS: tuple[Metric, ...] = tuple(_published(ConnectorStats))
+
+
 def markdown_table() -> str:
-    """The docs table of :data:`METRICS` (docs/metrics.md embeds it; a test keeps it equal)."""
+    """The docs tables of :data:`METRICS` and :data:`CONNECTOR_METRICS` (docs/metrics.md
+    embeds them; a test keeps them equal)."""
     rows = ["| name (Ray adds `ray_`) | kind | meaning (unit) |", "|---|---|---|"]
     rows += [f"| `{m.name}` | {m.kind} | {m.help} |" for m in METRICS]
+    rows += [
+        "",
+        "The vLLM connector's: the workers' moves on vLLM's `/metrics`, with vLLM's labels; "
+        "the hits are the scheduler side's `counts`, which vLLM exports as "
+        "`vllm:external_prefix_cache_hits`.",
+        "",
+    ]
+    rows += ["| name | kind | meaning (unit) |", "|---|---|---|"]
+    rows += [f"| `{m.name}` | {m.kind} | {m.help} |" for m in CONNECTOR_METRICS]
     return "\n".join(rows) + "\n"

@@ -239,3 +239,28 @@ class RankHealth(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     in_step: bool = False
     outside_step_s: float | None = None
+
+
+class ConnectorStats(msgspec.Struct, kw_only=True):
+    """What the vLLM connector moved, running totals (the scheduler side counts the hits,
+    each worker its moves; vLLM exports the workers' through its ``/metrics``)."""
+
+    hit_tokens: Annotated[
+        int, counter("vllm_hit_tokens", "Prompt tokens vLLM was told to load from L3 (tokens)")
+    ] = 0
+    loaded_tokens: Annotated[
+        int, counter("vllm_loaded_tokens", "Tokens read, verified and placed in vLLM (tokens)")
+    ] = 0
+    load_failed_tokens: Annotated[
+        int,
+        counter("vllm_load_failed_tokens", "Tokens vLLM recomputed: missing or corrupt (tokens)"),
+    ] = 0
+    saved_tokens: Annotated[
+        int, counter("vllm_saved_tokens", "Tokens of vLLM's pages the store holds (tokens)")
+    ] = 0
+    save_dropped_tokens: Annotated[
+        int,
+        counter(
+            "vllm_save_dropped_tokens", "Tokens not saved: store full, failed or busy (tokens)"
+        ),
+    ] = 0

@@ -80,6 +80,8 @@ async def _clients(dep: Deployment, opts: ServeOptions, tag: str) -> tuple[list[
             turns.append(turn)
             trace.history[c] = prompt + out
 
+    if opts.warm_up:
+        await dep.generate_async(GenerateRequest(f"{tag}-warm-up", list(trace.history[0]), 1))
     started = time.perf_counter()
     tasks = [client(c) for c in range(exp.clients)]
     if gate is not None:

@@ -98,6 +98,8 @@ async def _clients(url: str, opts: ServeOptions) -> tuple[list[Turn], float]:
                 turns.append(turn)
                 trace.history[c] = prompt + out
 
+        if opts.warm_up:
+            await _turn(client, list(trace.history[0]), 1)
         started = time.perf_counter()
         await asyncio.gather(*(conversation(c) for c in range(exp.clients)))
     return turns, time.perf_counter() - started

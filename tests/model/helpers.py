@@ -80,12 +80,15 @@ def make_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def make_checkpoint(path: Path, family: str, *, seed: int = 0, shard_size: str = "") -> Path:
-    """Save a tiny random ``family`` model (and tokenizer) to ``path``; returns it."""
+def make_checkpoint(
+    path: Path, family: str, *, seed: int = 0, shard_size: str = "", hidden_size: int = 64
+) -> Path:
+    """Save a tiny random ``family`` model (and tokenizer) to ``path``; returns it (4 heads
+    of ``hidden_size / 4``, 2 KV heads)."""
     config_cls, model_cls, extra = _family(family)
     config = config_cls(
         vocab_size=VOCAB,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=96,
         num_hidden_layers=4,
         num_attention_heads=4,

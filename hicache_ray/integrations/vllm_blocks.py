@@ -1,0 +1,194 @@
+"""The vLLM connector's worker side without vLLM: pages between the store and vLLM's blocks.
+
+Pages are staged ``[pages, G, L, S, P, Hg, D]`` (G head groups of Hg heads: the stored
+objects' head grid), so every object of a staged page (a layer chunk of one head group) is
+one contiguous slice that the store reads into and writes from in place. Saves gather
+whole blocks (``index_select``, a block-sized copy each) and reorder them into staging
+with one strided copy per layer and slot; loads reorder staging into whole blocks the same
+way and scatter them (``index_copy_``). No copy is per token or per page.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from hicache_ray.integrations.vllm_pages import PageJob
+from hicache_ray.integrations.vllm_setup import slot_views
+from hicache_ray.keys import ShardPlan
+from hicache_ray.stats import ConnectorStats
+from hicache_ray.storage import PagedBackend
+
+__all__ = ["BlockMover"]
+
+log = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _head_group(plan: ShardPlan, heads: int) -> int:
+    """Heads per stored object (every object of a rank spans the same number)."""
+    sizes = {hb - ha for ha, hb in (o.local_heads for o in plan.objects)}
+    size = sizes.pop()
+    if sizes or heads % size:
+        raise ValueError(f"objects of {sorted(sizes | {size})} heads do not tile {heads} heads")
+    return size
+
+
+class BlockMover:
+    """Worker-side page moves between the store and vLLM's paged KV (one per worker).
+
+    Args:
+        layers: this worker's attention layers' caches, in layer order.
+        layout: a :data:`~hicache_ray.integrations.vllm_setup.BLOCK_LAYOUTS` name.
+        plan: this rank's objects per page.
+        backend: the store.
+        max_pending_saves: saves queued behind the store before new ones are dropped.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        layout: str,
+        plan: ShardPlan,
+        backend: PagedBackend,
+        max_pending_saves: int = 64,
+    ) -> None:
+        first = layers[0]
+        self.layers = list(layers)
+        self._layout = layout
+        self._heads, self._head_dim = int(first.shape[1]), int(first.shape[3]) // 2
+        for t in self.layers:  # checks every layer's shape
+            slot_views(layout, t, self._heads, self._head_dim)
+        self.page_size = int(first.shape[2])
+        size = _head_group(plan, self._heads)
+        self._groups = self._heads // size
+        self._page_shape = (
+            self._groups,
+            len(layers),
+            2,
+            self.page_size,
+            size,
+            self._head_dim,
+        )
+        self._dtype, self._device = first.dtype, first.device
+        self.plan, self.backend = plan, backend
+        self._max_pending = max_pending_saves
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-save")
+        self._arena: torch.Tensor | None = None
+        self.counts = ConnectorStats()
+
+    # ------------------------------------------------------------ staging
+
+    def staging(self, pages: int, *, fresh: bool = True) -> torch.Tensor:
+        """Room for ``pages`` pages; ``fresh=False``: the reused load arena."""
+        shape = (pages, *self._page_shape)
+        pin = self._device.type == "cuda"
+        if fresh:
+            return torch.empty(shape, dtype=self._dtype, pin_memory=pin)
+        arena = self._arena
+        if arena is None or arena.shape[0] < pages:
+            arena = self._arena = torch.empty(shape, dtype=self._dtype, pin_memory=pin)
+        return arena[:pages]
+
+    def objects(self, staging: torch.Tensor) -> list[torch.Tensor]:
+        """Every object of every staged page, in key order (contiguous views)."""
+        size = self._page_shape[4]
+        out = []
+        for i in range(staging.shape[0]):
+            for obj in self.plan.objects:
+                (la, lb), (ha, _) = obj.local_layers, obj.local_heads
+                out.append(staging[i, ha // size, la:lb])
+        return out
+
+    def _grouped(self, view: torch.Tensor) -> torch.Tensor:
+        """A ``[n, P, H, D]`` slot view as ``[n, G, P, Hg, D]``."""
+        n, page, _, dim = view.shape
+        size = self._page_shape[4]
+        return view.view(n, page, self._groups, size, dim).permute(0, 2, 1, 3, 4)
+
+    def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        """Copy the blocks' KV into ``staging`` (one page per block, in order)."""
+        index = torch.tensor(list(block_ids), device=self._device)
+        for layer, cache in enumerate(self.layers):
+            blocks = cache.index_select(0, index).to("cpu")
+            for slot, view in enumerate(slot_views(self._layout, blocks, *self._kv())):
+                staging[:, :, layer, slot].copy_(self._grouped(view))
+
+    def place(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write the staged pages into the blocks (one page per block, in order)."""
+        n = staging.shape[0]
+        index = torch.tensor(list(block_ids), device=self._device)
+        blocks = torch.empty((n, *self.layers[0].shape[1:]), dtype=self._dtype)
+        for layer, cache in enumerate(self.layers):
+            for slot, view in enumerate(slot_views(self._layout, blocks, *self._kv())):
+                self._grouped(view).copy_(staging[:, :, layer, slot])
+            cache.index_copy_(0, index, blocks.to(self._device, non_blocking=True))
+
+    def _kv(self) -> tuple[int, int]:
+        return self._heads, self._head_dim
+
+    def _keys(self, hashes: Sequence[str]) -> list[str]:
+        return [key for h in hashes for key in self.plan.keys(h)]
+
+    # ------------------------------------------------------------ moves
+
+    def load(self, job: PageJob) -> list[int]:
+        """Read the job's pages and place them in its blocks; returns the blocks whose
+        pages could not be read and verified (vLLM recomputes them)."""
+        if not job.hashes:
+            return []
+        staging = self.staging(len(job.hashes), fresh=False)
+        per_page = len(self.plan.objects)
+        done = self.backend.get(self._keys(job.hashes), self.objects(staging)) // per_page
+        if done:
+            self.place(staging[:done], job.block_ids[:done])
+        failed = job.block_ids[done:]
+        with self._lock:
+            self.counts.loaded_tokens += done * self.page_size
+            self.counts.load_failed_tokens += len(failed) * self.page_size
+        return failed
+
+    def save(self, job: PageJob) -> Future[int] | None:
+        """Copy the job's blocks out now and store them in the background (the blocks are
+        free once this returns); None when the save was dropped (queue full)."""
+        tokens = len(job.hashes) * self.page_size
+        with self._lock:
+            if self._pending >= self._max_pending:
+                self.counts.save_dropped_tokens += tokens
+                return None
+            self._pending += 1
+        staging = self.staging(len(job.hashes))
+        self.gather(job.block_ids, staging)
+        return self._writer.submit(self._store, self._keys(job.hashes), staging, tokens)
+
+    def _store(self, keys: list[str], staging: torch.Tensor, tokens: int) -> int:
+        per_page = len(self.plan.objects)
+        try:
+            stored = self.backend.put(keys, self.objects(staging)) // per_page * self.page_size
+        except Exception as exc:  # a failed save is a later miss, never a failed request
+            log.warning("hicache-ray vLLM connector: a save failed: %s", exc)
+            stored = 0
+        with self._lock:
+            self._pending -= 1
+            self.counts.saved_tokens += stored
+            self.counts.save_dropped_tokens += tokens - stored
+        return stored
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until every save queued so far is stored, failed or dropped."""
+        self._writer.submit(_nothing).result(timeout_s)
+
+    def close(self) -> None:
+        """Finish the queued saves, then close the store client."""
+        self._writer.shutdown(wait=True)
+        self.backend.flush()
+        self.backend.close()

@@ -1,0 +1,317 @@
+"""The vLLM connector's halves without vLLM: the planner's loads and saves, the page mover's
+layout mapping, round trips and failures, and the options (vLLM itself: tests/vllm)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_ray.config import Fault, StorageConfig
+from hicache_ray.errors import ConfigError
+from hicache_ray.integrations.vllm_blocks import BlockMover
+from hicache_ray.integrations.vllm_pages import PageJob, PagePlanner
+from hicache_ray.integrations.vllm_setup import (
+    layer_index,
+    model_kv,
+    parse_options,
+    slot_views,
+    storage_config,
+)
+from hicache_ray.keys import ShardPlan, page_hashes, plan_objects
+from hicache_ray.layout import ModelKV, Shard, ShardKV
+from hicache_ray.storage import FaultyObjects, MemoryObjects, PagedBackend
+
+LAYERS, HEADS, DIM, PAGE, BLOCKS = 3, 4, 32, 16, 12
+MODEL = ModelKV(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="float32")
+
+
+def _plan(tp_rank: int = 0, tp: int = 1, share_tp: tuple[int, ...] = ()) -> ShardPlan:
+    kv = ShardKV(model=MODEL, shard=Shard(tp_rank=tp_rank, tp_size=tp), page_size=PAGE)
+    return plan_objects(kv, StorageConfig(backend="memory", model_id="m", share_tp=share_tp))
+
+
+def _backend(plan: ShardPlan, objects: Any = None) -> PagedBackend:
+    return PagedBackend("memory", objects or MemoryObjects(), plan)
+
+
+def _cpu_caches(seed: int, heads: int = HEADS) -> list[torch.Tensor]:
+    """CPU_ATTN caches ``[blocks, H, P, 2D]`` of random KV."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, heads, PAGE, 2 * DIM, generator=g) for _ in range(LAYERS)]
+
+
+def _stack(mover: BlockMover, layer: int, blocks: Any) -> torch.Tensor:
+    """``[n, S, P, H, D]`` of ``blocks`` of one layer of ``mover``'s caches."""
+    cache = mover.layers[layer]
+    key, value = slot_views("cpu_vec", cache, cache.shape[1], DIM)
+    return torch.stack([key[blocks], value[blocks]], dim=1)
+
+
+def test_the_cpu_vec_layout_is_k_transposed_then_v_per_head() -> None:
+    cache = _cpu_caches(0)[0]
+    # What vLLM 0.32's CPU kernel (vec ISA) writes per block and head: K as [D, P], V as
+    # [P, D] (read off the bytes it stored for the KV hicache-ray computes; tests/vllm).
+    per_head = cache.view(BLOCKS, HEADS, 2, PAGE * DIM)
+    key, value = slot_views("cpu_vec", cache, HEADS, DIM)
+    assert key.shape == value.shape == (BLOCKS, PAGE, HEADS, DIM)
+    assert torch.equal(key[5, 3, 1], per_head[5, 1, 0].view(DIM, PAGE)[:, 3])
+    assert torch.equal(value[5, 3, 1], per_head[5, 1, 1].view(PAGE, DIM)[3])
+
+
+def test_the_split_content_layout_is_k_then_v_per_token() -> None:
+    cache = torch.randn(BLOCKS, HEADS, PAGE, 2 * DIM)
+    key, value = cache.transpose(1, 2).split(DIM, dim=-1)  # FLASH_ATTN's forward
+    views = slot_views("split_content", cache, HEADS, DIM)
+    assert torch.equal(views[0][2], key[2]) and torch.equal(views[1][2], value[2])
+
+
+def test_a_cache_of_another_shape_is_refused() -> None:
+    with pytest.raises(ConfigError, match="kv cache"):
+        slot_views("cpu_vec", torch.zeros(4, HEADS, PAGE, DIM), HEADS, DIM)
+    with pytest.raises(ConfigError, match="layout"):
+        slot_views("paged", torch.zeros(4, HEADS, PAGE, 2 * DIM), HEADS, DIM)
+
+
+def _mover(caches: list[torch.Tensor], plan: ShardPlan, backend: Any, **kw: Any) -> BlockMover:
+    return BlockMover(caches, "cpu_vec", plan, backend, **kw)
+
+
+def test_saved_blocks_load_into_other_blocks_of_another_engine() -> None:
+    plan, objects = _plan(), MemoryObjects()
+    writer = _mover(_cpu_caches(1), plan, _backend(plan, objects))
+    hashes = page_hashes(list(range(3 * PAGE)), PAGE)
+    future = writer.save(PageJob("r", hashes, [7, 2, 9]))
+    assert future is not None and future.result() == 3 * PAGE
+    readers = _cpu_caches(2)
+    reader = _mover(readers, plan, _backend(plan, objects))
+    assert reader.load(PageJob("r", hashes, [0, 1, 4])) == []
+    for layer in range(LAYERS):
+        assert torch.equal(_stack(reader, layer, [0, 1, 4]), _stack(writer, layer, [7, 2, 9]))
+    assert reader.counts.loaded_tokens == 3 * PAGE and writer.counts.saved_tokens == 3 * PAGE
+    writer.close()
+    reader.close()
+
+
+def test_stored_objects_are_in_page_unified_order() -> None:
+    plan = _plan()
+    caches = _cpu_caches(3)
+    backend = _backend(plan)
+    mover = _mover(caches, plan, backend)
+    (h,) = page_hashes(list(range(PAGE)), PAGE)
+    future = mover.save(PageJob("r", [h], [4]))
+    assert future is not None and future.result() == PAGE
+    (obj,) = plan.objects
+    out = torch.empty(obj.shape)
+    assert backend.get(plan.keys(h), [out]) == 1
+    # [layers, K/V, tokens, heads, dim] from the CPU kernel's own per-head blocks
+    per_head = [c.view(BLOCKS, HEADS, 2, PAGE * DIM)[4] for c in caches]
+    key = [h[:, 0].view(HEADS, DIM, PAGE).permute(2, 0, 1) for h in per_head]
+    value = [h[:, 1].view(HEADS, PAGE, DIM).transpose(0, 1) for h in per_head]
+    expected = torch.stack([torch.stack(kv) for kv in zip(key, value, strict=True)])
+    assert torch.equal(out, expected)
+    mover.close()
+
+
+def test_a_tp2_rank_stores_the_head_groups_a_tp1_rank_reads() -> None:
+    objects = MemoryObjects()
+    hashes = page_hashes(list(range(2 * PAGE)), PAGE)
+    ranks = []
+    for rank in range(2):
+        plan = _plan(rank, 2, share_tp=(1, 2))
+        caches = _cpu_caches(10 + rank, heads=HEADS // 2)
+        mover = _mover(caches, plan, _backend(plan, objects))
+        future = mover.save(PageJob("r", hashes, [3, 5]))
+        assert future is not None and future.result() == 2 * PAGE
+        ranks.append(mover)
+    plan = _plan(0, 1, share_tp=(1, 2))
+    whole = _mover(_cpu_caches(0), plan, _backend(plan, objects))
+    assert whole.load(PageJob("r", hashes, [0, 1])) == []
+    for layer in range(LAYERS):
+        halves = [_stack(m, layer, [3, 5]) for m in ranks]
+        assert torch.equal(_stack(whole, layer, [0, 1]), torch.cat(halves, dim=3))  # H 0-1, 2-3
+
+
+def test_a_corrupt_page_fails_its_blocks_and_the_rest_for_recompute() -> None:
+    plan, objects = _plan(), MemoryObjects()
+    writer = _mover(_cpu_caches(4), plan, _backend(plan, objects))
+    hashes = page_hashes(list(range(3 * PAGE)), PAGE)
+    future = writer.save(PageJob("r", hashes, [0, 1, 2]))
+    assert future is not None and future.result() == 3 * PAGE
+    faulty = FaultyObjects(objects, (Fault(op="read", kind="corrupt", skip=1, limit=1),), 0)
+    readers = _cpu_caches(5)
+    reader = _mover(readers, plan, _backend(plan, faulty))
+    assert reader.load(PageJob("r", hashes, [6, 7, 8])) == [7, 8]
+    assert torch.equal(_stack(reader, 0, [6]), _stack(writer, 0, [0]))  # the page before
+    assert reader.counts.load_failed_tokens == 2 * PAGE
+
+
+def test_a_dead_store_is_a_miss_and_a_failed_save_is_counted() -> None:
+    plan = _plan()
+    dead = FaultyObjects(
+        MemoryObjects(), (Fault(op="read", kind="fail"), Fault(op="write", kind="fail")), 0
+    )
+    mover = _mover(_cpu_caches(6), plan, _backend(plan, dead))
+    hashes = page_hashes(list(range(2 * PAGE)), PAGE)
+    assert mover.load(PageJob("r", hashes, [1, 2])) == [1, 2]
+    future = mover.save(PageJob("r", hashes, [1, 2]))
+    assert future is not None and future.result() == 0
+    assert mover.counts.save_dropped_tokens == 2 * PAGE
+
+
+class _Blocking(MemoryObjects):
+    """A store whose writes wait until released (a slow store, without sleeping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def write_many(self, *args: Any, **kw: Any) -> Any:
+        self.release.wait(30)
+        return super().write_many(*args, **kw)
+
+
+def test_saves_beyond_the_queue_are_dropped_not_waited_for() -> None:
+    plan, slow = _plan(), _Blocking()
+    mover = _mover(_cpu_caches(7), plan, _backend(plan, slow), max_pending_saves=1)
+    first, second = (page_hashes([i] * PAGE, PAGE) for i in range(2))
+    pending = mover.save(PageJob("a", first, [0]))
+    assert pending is not None
+    assert mover.save(PageJob("b", second, [1])) is None  # the queue is full: dropped
+    assert mover.counts.save_dropped_tokens == PAGE
+    slow.release.set()
+    assert pending.result() == PAGE
+    mover.close()
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def _planner(stored_pages: int, tokens: list[int], salt: str = "") -> tuple[PagePlanner, Any]:
+    plan, objects = _plan(), MemoryObjects()
+    backend = _backend(plan, objects)
+    mover = _mover(_cpu_caches(8), plan, backend)
+    hashes = page_hashes(tokens, PAGE, salt=salt or None)[:stored_pages]
+    if hashes:
+        future = mover.save(PageJob("w", hashes, list(range(len(hashes)))))
+        assert future is not None and future.result() == len(hashes) * PAGE
+    suffixes = [o.suffix for o in plan.objects]
+    return PagePlanner(_backend(plan, objects), suffixes, PAGE, salt), mover
+
+
+def test_lookup_counts_leading_pages_past_vllms_own_and_leaves_a_token() -> None:
+    tokens = list(range(4 * PAGE))  # 4 whole pages: the last must be computed
+    planner, _ = _planner(4, tokens)
+    assert planner.lookup("r", tokens, 0, "") == 3 * PAGE
+    assert planner.lookup("r", tokens, PAGE, "") == 2 * PAGE  # vLLM held page 0
+    assert planner.lookup("r", tokens, 3 * PAGE, "") == 0
+    short, _ = _planner(1, tokens)
+    assert short.lookup("s", tokens, 0, "") == PAGE  # a gap after page 0
+
+
+def test_a_load_is_planned_once_with_the_blocks_of_its_pages() -> None:
+    tokens = list(range(3 * PAGE + 5))
+    planner, _ = _planner(3, tokens)
+    assert planner.lookup("r", tokens, PAGE, "") == 2 * PAGE
+    planner.allocated("r", [9, 4, 6, 2], 2 * PAGE)
+    plan = planner.step([("r", len(tokens), tokens, [9, 4, 6, 2])])
+    hashes = page_hashes(tokens, PAGE)
+    assert plan.loads == [PageJob("r", hashes[1:3], [4, 6])]
+    assert plan.saves == []  # every whole page is stored already
+    assert planner.step([("r", len(tokens), tokens, [9, 4, 6, 2])]).loads == []
+    assert planner.counts.hit_tokens == 2 * PAGE
+
+
+def test_saves_follow_the_pages_each_step_fills_generated_tokens_included() -> None:
+    prompt = list(range(100, 100 + 2 * PAGE + 3))
+    planner, _ = _planner(0, prompt, salt="tenant")
+    assert planner.lookup("r", prompt, 0, "") == 0
+    blocks = [5, 6, 7, 8]
+    first = planner.step([("r", PAGE + 2, prompt, blocks)])  # a chunked prefill
+    assert [len(j.hashes) for j in first.saves] == [1]
+    second = planner.step([("r", len(prompt), prompt, blocks)])
+    tokens = prompt + list(range(PAGE))  # the answer fills page 2
+    third = planner.step([("r", 3 * PAGE, tokens, blocks)])
+    saved = [h for p in (first, second, third) for j in p.saves for h in j.hashes]
+    assert saved == page_hashes(tokens, PAGE, salt="tenant")
+    assert third.saves[0].block_ids == [7]
+    planner.finished("r")
+    assert planner.tracked == 0
+    assert planner.step([("r", 4 * PAGE, tokens, blocks)]).saves == []
+
+
+def test_a_requests_own_salt_names_other_pages() -> None:
+    tokens = list(range(3 * PAGE))
+    planner, _ = _planner(2, tokens)
+    assert planner.lookup("plain", tokens, 0, "") == 2 * PAGE
+    assert planner.lookup("salted", tokens, 0, "someone") == 0
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ([1], "kv_connector_extra_config"),
+        ({"stores": "ray"}, "kv_connector_extra_config"),
+        ({"store": "s3"}, "kv_connector_extra_config"),
+        ({"share_tp": "2"}, "kv_connector_extra_config"),
+        ({"store": "file"}, "file.root"),
+        ({"layout": "paged"}, "layout"),
+        ({"max_pending_saves": 0}, "max_pending_saves"),
+    ],
+)
+def test_bad_extra_config_is_refused_naming_the_option(extra: Any, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        parse_options(extra)
+
+
+def test_options_make_the_storage_namespace() -> None:
+    options = parse_options({"store": "file", "file": {"root": "/x"}, "model_revision": "r1"})
+    storage = storage_config(options, "served/model")
+    assert (storage.backend, storage.model_id, storage.model_revision) == (
+        "file",
+        "served/model",
+        "r1",
+    )
+    assert parse_options(None).store == "ray"
+
+
+def _vllm_config(**changes: Any) -> Any:
+    model = SimpleNamespace(
+        model="m",
+        use_mla=False,
+        dtype=torch.float32,
+        get_num_layers=lambda parallel: LAYERS,
+        get_total_num_kv_heads=lambda: HEADS,
+        get_head_size=lambda: DIM,
+    )
+    cache = SimpleNamespace(cache_dtype="auto", block_size=PAGE)
+    parallel = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1)
+    config = SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
+    for path, value in changes.items():
+        part, name = path.split(".")
+        setattr(getattr(config, part), name, value)
+    return config
+
+
+def test_model_facts_come_from_vllms_config() -> None:
+    assert model_kv(_vllm_config()) == (MODEL, PAGE)
+    for change, named in [
+        ({"model_config.use_mla": True}, "model"),
+        ({"cache_config.cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"parallel_config.pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"model_config.dtype": torch.int8}, "dtype"),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            model_kv(_vllm_config(**change))
+
+
+def test_layer_names_give_their_decoder_layer() -> None:
+    assert layer_index("model.layers.12.self_attn.attn") == 12
+    with pytest.raises(ConfigError, match="layer"):
+        layer_index("lm_head")
