@@ -28,6 +28,9 @@ __all__ = ["BlockMover"]
 log = logging.getLogger(__name__)
 
 
+_SPARE_BUFFERS = 4  # save staging buffers kept for reuse
+
+
 def _nothing() -> None:
     pass
 
@@ -84,6 +87,7 @@ class BlockMover:
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-save")
         self._arena: torch.Tensor | None = None
+        self._spare: list[torch.Tensor] = []  # save staging given back, reused
         self.counts = ConnectorStats()
 
     # ------------------------------------------------------------ staging
@@ -98,6 +102,21 @@ class BlockMover:
         if arena is None or arena.shape[0] < pages:
             arena = self._arena = torch.empty(shape, dtype=self._dtype, pin_memory=pin)
         return arena[:pages]
+
+    def _save_buffer(self, pages: int) -> torch.Tensor:
+        """A save's staging, from the buffers earlier saves gave back when one is large
+        enough (fresh memory costs a page fault per 4 KiB, several times the copy)."""
+        with self._lock:
+            for i, buf in enumerate(self._spare):
+                if buf.shape[0] >= pages:
+                    return self._spare.pop(i)[:pages]
+        return self.staging(pages)
+
+    def _give_back(self, staging: torch.Tensor) -> None:
+        base = staging._base if staging._base is not None else staging
+        with self._lock:
+            if len(self._spare) < _SPARE_BUFFERS:
+                self._spare.append(base)
 
     def objects(self, staging: torch.Tensor) -> list[torch.Tensor]:
         """Every object of every staged page, in key order (contiguous views)."""
@@ -166,7 +185,7 @@ class BlockMover:
                 self.counts.save_dropped_tokens += tokens
                 return None
             self._pending += 1
-        staging = self.staging(len(job.hashes))
+        staging = self._save_buffer(len(job.hashes))
         self.gather(job.block_ids, staging)
         return self._writer.submit(self._store, self._keys(job.hashes), staging, tokens)
 
@@ -177,6 +196,7 @@ class BlockMover:
         except Exception as exc:  # a failed save is a later miss, never a failed request
             log.warning("hicache-ray vLLM connector: a save failed: %s", exc)
             stored = 0
+        self._give_back(staging)
         with self._lock:
             self._pending -= 1
             self.counts.saved_tokens += stored

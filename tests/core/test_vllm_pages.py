@@ -315,3 +315,22 @@ def test_layer_names_give_their_decoder_layer() -> None:
     assert layer_index("model.layers.12.self_attn.attn") == 12
     with pytest.raises(ConfigError, match="layer"):
         layer_index("lm_head")
+
+
+def test_a_save_reuses_the_staging_an_earlier_one_gave_back() -> None:
+    plan, objects = _plan(), MemoryObjects()
+    writer = _mover(_cpu_caches(9), plan, _backend(plan, objects))
+    jobs = [
+        PageJob(f"r{i}", page_hashes([i] * 2 * PAGE, PAGE), [2 * i, 2 * i + 1]) for i in range(3)
+    ]
+    for job in jobs:  # one after the other: each save's buffer is back before the next
+        future = writer.save(job)
+        assert future is not None and future.result() == 2 * PAGE
+    assert len(writer._spare) == 1
+    reader = _mover(_cpu_caches(10), plan, _backend(plan, objects))
+    for i, job in enumerate(jobs):
+        assert reader.load(PageJob(job.req_id, job.hashes, [8, 9])) == []
+        for layer in range(LAYERS):
+            assert torch.equal(
+                _stack(reader, layer, [8, 9]), _stack(writer, layer, [2 * i, 2 * i + 1])
+            )

@@ -23,7 +23,6 @@ from hicache_ray.config import (
 from hicache_ray.keys import page_hashes
 from hicache_ray.model.checkpoint import load_config
 from hicache_ray.request import GenerateRequest
-from tests.helpers import wait_until
 from tests.vllm.helpers import MODEL_ID, PAGE, engine, file_store, generate, prompt_ids, worker
 
 _names = itertools.count()
@@ -70,8 +69,8 @@ def test_vllm_and_deployments_load_each_others_pages(
             got = dep.generate([GenerateRequest(f"ours-{tp}", ours, 8)])[0]
             if tp == 1:
                 dep.generate([GenerateRequest("theirs", theirs, 8)])
-                # backups run behind the answer; shutdown does not wait for them
-                wait_until(lambda: _stored(tmp_path, theirs) == 3 * 2, what="the backups")
+                dep.wait_idle()  # its L3 backups run behind the answer
+                assert _stored(tmp_path, theirs) == 3 * 2  # pages x head groups
         finally:
             dep.shutdown()
         assert got.error is None and got.storage_hit_tokens == 3 * PAGE, got
