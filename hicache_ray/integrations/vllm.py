@@ -13,11 +13,13 @@ one prefix of one model is one set of objects whichever engine or TP size wrote 
 own block hashes are never used: they are seeded per process.
 
 The scheduler side looks up the leading pages past vLLM's own hit and tells vLLM how many
-tokens it can load (synchronously, before the forward that needs them); each step it plans
-the loads of the requests scheduled and the saves of the pages that step fills. The worker
-side reads and verifies each page into staging and scatters it into vLLM's blocks (one
-indexed copy per layer), and after the forward gathers the filled blocks into staging and
-stores them on a background thread. A page that is missing, corrupt or unreadable is a load
+tokens it can load: asynchronously by default (vLLM runs other requests meanwhile and
+schedules this one once :meth:`HiCacheRayConnector.get_finished` reports its load), or
+before the forward that needs them (``load_async: false``); each step it plans the loads
+and the saves of the pages that step fills. The worker side reads and verifies each page
+into staging and places it in vLLM's blocks (a reorder and an indexed copy per layer), and
+after the forward gathers the filled blocks into staging and stores them on a background
+thread. A page that is missing, corrupt or unreadable is a load
 error: vLLM recomputes its blocks (``kv_load_failure_policy: recompute``); a dead store is a
 miss. Options: :class:`~hicache_ray.integrations.vllm_setup.VLLMStoreOptions`.
 """
@@ -25,6 +27,7 @@ miss. Options: :class:`~hicache_ray.integrations.vllm_setup.VLLMStoreOptions`.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ from hicache_ray.errors import ConfigError
 from hicache_ray.integrations.sglang_setup import connect
 from hicache_ray.integrations.vllm_blocks import BlockMover
 from hicache_ray.integrations.vllm_metrics import WORKER_FIELDS, ConnectorProm, MovedTokens
-from hicache_ray.integrations.vllm_pages import PagePlanner, StepPlan
+from hicache_ray.integrations.vllm_pages import PageJob, PagePlanner, StepPlan
 from hicache_ray.integrations.vllm_setup import (
     VLLMStoreOptions,
     layer_index,
@@ -88,6 +91,8 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._mover: BlockMover | None = None
         self._failed: set[int] = set()
         self._reported: dict[str, int] = {}  # worker counts at the last stats report
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-load")
+        self._loading: dict[str, tuple[PageJob, Future[list[int]]]] = {}  # async loads
         if role == KVConnectorRole.SCHEDULER:
             self._planner = self._open_planner()
 
@@ -103,7 +108,10 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
             len(suffixes),
         )
         backend = connect(self._storage, plan)
-        return PagePlanner(backend, suffixes, self._page_size, self._storage.tenant_salt)
+        salt = self._storage.tenant_salt
+        return PagePlanner(
+            backend, suffixes, self._page_size, salt, load_async=self.options.load_async
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Order the layers' caches, plan this rank's objects and open the store."""
@@ -163,10 +171,27 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if self._mover is None or not isinstance(meta, HiCacheRayMeta):
+        mover = self._mover
+        if mover is None or not isinstance(meta, HiCacheRayMeta):
             return
         for job in meta.plan.loads:
-            self._failed.update(self._mover.load(job))
+            if meta.plan.async_loads:  # one loader thread: loads run in order
+                self._loading[job.req_id] = (job, self._loader.submit(mover.load, job))
+            else:
+                self._failed.update(mover.load(job))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous load is in (or failed: their blocks are then
+        reported by :meth:`get_block_ids_with_load_errors` in the same pass)."""
+        done = {rid for rid, (_, future) in self._loading.items() if future.done()}
+        for rid in done:
+            job, future = self._loading.pop(rid)
+            try:
+                self._failed.update(future.result())
+            except Exception as exc:  # a failed load is a recompute, never a failed request
+                log.warning("hicache-ray vLLM connector: a load failed: %s", exc)
+                self._failed.update(job.block_ids)
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load is placed before the forward starts
@@ -194,6 +219,7 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return failed
 
     def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
         if self._mover is not None:
             mover, self._mover = self._mover, None
             mover.close()
@@ -234,7 +260,8 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests[request.request_id] = request
         salt = getattr(request, "cache_salt", None) or ""
         tokens = request.prompt_token_ids or []
-        return self._planner.lookup(request.request_id, tokens, num_computed_tokens, salt), False
+        hit = self._planner.lookup(request.request_id, tokens, num_computed_tokens, salt)
+        return hit, hit > 0 and self._planner.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None

@@ -34,6 +34,7 @@ class StepPlan(msgspec.Struct):
 
     loads: list[PageJob] = msgspec.field(default_factory=list)
     saves: list[PageJob] = msgspec.field(default_factory=list)
+    async_loads: bool = False  # loads run behind the step; vLLM waits for get_finished
 
 
 @dataclass
@@ -55,16 +56,26 @@ class PagePlanner:
             only when every rank's objects are stored).
         page_size: tokens per page (vLLM's block size).
         salt: the tenant salt of requests that carry none.
+        load_async: loads run behind the steps (vLLM waits for them), not before the
+            forward that needs them.
     """
 
     def __init__(
-        self, backend: StorageBackend, suffixes: Sequence[str], page_size: int, salt: str
+        self,
+        backend: StorageBackend,
+        suffixes: Sequence[str],
+        page_size: int,
+        salt: str,
+        *,
+        load_async: bool = False,
     ) -> None:
         self._backend = backend
         self._suffixes = list(suffixes)
         self._page_size = page_size
         self._salt = salt
         self._requests: dict[str, _Request] = {}
+        self._allocated: list[str] = []  # requests whose load is not planned yet
+        self.load_async = load_async
         self.counts = ConnectorStats()
 
     def lookup(self, req_id: str, tokens: Sequence[int], num_computed: int, salt: str) -> int:
@@ -104,20 +115,24 @@ class PagePlanner:
             list(block_ids[first : first + pages]),
         )
         state.load = job
+        self._allocated.append(req_id)
         self.counts.hit_tokens += num_external
 
     def step(self, scheduled: Sequence[tuple[str, int, Sequence[int], Sequence[int]]]) -> StepPlan:
         """The plan of one step. ``scheduled``: per scheduled request, its id, the tokens
         whose KV exists after this step, all its token ids, and its block ids."""
-        plan = StepPlan()
+        plan = StepPlan(async_loads=self.load_async)
+        for req_id in self._allocated:  # asynchronous loads: the request is not scheduled
+            state = self._requests.get(req_id)
+            if state is not None and state.load is not None:
+                plan.loads.append(state.load)
+                state.load = None
+        self._allocated = []
         p = self._page_size
         for req_id, computed, tokens, block_ids in scheduled:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            if state.load is not None:
-                plan.loads.append(state.load)
-                state.load = None
             full = min(computed, len(tokens)) // p
             if full <= state.saved_pages:
                 continue

@@ -137,6 +137,9 @@ class VLLMStoreOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             layout is not verified), else ``split_content``.
         max_pending_saves: saves queued behind the store before new ones are dropped (a
             dropped save is a later miss, counted).
+        load_async: load a request's pages on a background thread while vLLM runs other
+            requests (it schedules the request once the load is in); ``false``: load
+            before the forward that needs them, in the step.
     """
 
     store: Literal["ray", "file"] = "ray"
@@ -149,6 +152,7 @@ class VLLMStoreOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     share_tp: tuple[int, ...] = ()
     layout: str = "auto"
     max_pending_saves: int = 64
+    load_async: bool = True
 
     def __post_init__(self) -> None:
         check_types(self)

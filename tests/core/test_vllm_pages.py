@@ -334,3 +334,16 @@ def test_a_save_reuses_the_staging_an_earlier_one_gave_back() -> None:
             assert torch.equal(
                 _stack(reader, layer, [8, 9]), _stack(writer, layer, [2 * i, 2 * i + 1])
             )
+
+
+def test_an_asynchronous_load_is_planned_before_its_request_is_scheduled() -> None:
+    tokens = list(range(2 * PAGE + 1))
+    planner, _ = _planner(2, tokens)
+    planner.load_async = True
+    assert planner.lookup("r", tokens, 0, "") == 2 * PAGE
+    planner.allocated("r", [3, 4, 5], 2 * PAGE)
+    plan = planner.step([])  # vLLM waits for the load: the request is not scheduled
+    assert plan.async_loads and plan.loads == [PageJob("r", page_hashes(tokens, PAGE), [3, 4])]
+    planner.allocated("gone", [1], PAGE)  # an unknown request: nothing planned
+    planner.finished("r")
+    assert planner.step([]).loads == []

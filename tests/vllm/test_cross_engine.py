@@ -23,7 +23,16 @@ from hicache_ray.config import (
 from hicache_ray.keys import page_hashes
 from hicache_ray.model.checkpoint import load_config
 from hicache_ray.request import GenerateRequest
-from tests.vllm.helpers import MODEL_ID, PAGE, engine, file_store, generate, prompt_ids, worker
+from tests.vllm.helpers import (
+    MODEL_ID,
+    PAGE,
+    engine,
+    file_store,
+    generate,
+    prompt_ids,
+    scheduler,
+    worker,
+)
 
 _names = itertools.count()
 
@@ -101,3 +110,12 @@ def test_a_dropped_ray_store_is_a_miss_and_vllm_keeps_serving(
         assert cached == 0 or worker().counts.load_failed_tokens - failed == 2 * PAGE
         other, cached = generate(llm, prompt_ids(13, 2 * PAGE + 3))
         assert cached == 0 and len(other) == 8
+
+
+def test_synchronous_loads_place_pages_before_the_forward(checkpoint: Path, tmp_path: Path) -> None:
+    tokens = prompt_ids(14, 3 * PAGE + 11)
+    with engine(checkpoint, file_store(tmp_path, load_async=False)) as llm:
+        first, _ = generate(llm, tokens)
+        llm.reset_prefix_cache()
+        assert generate(llm, tokens) == (first, 3 * PAGE)
+        assert not scheduler(llm)._planner.load_async
