@@ -74,6 +74,18 @@ def _tp_rank() -> int:
         return 0
 
 
+def _shareable(request: Any) -> bool:
+    """Whether a request's KV is named by its token ids alone: not when images or other
+    media stand behind placeholder tokens, a LoRA adapter changes the KV, or the prompt
+    comes as embeddings (such requests are neither looked up nor saved)."""
+    return bool(
+        request.prompt_token_ids
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "lora_request", None) is None
+        and getattr(request, "prompt_embeds", None) is None
+    )
+
+
 class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM's KV connector interface over a hicache-ray store (see the module docstring)."""
 
@@ -257,9 +269,11 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._planner is not None
+        if not _shareable(request):
+            return 0, False  # neither looked up nor saved
         self._requests[request.request_id] = request
         salt = getattr(request, "cache_salt", None) or ""
-        tokens = request.prompt_token_ids or []
+        tokens = request.prompt_token_ids
         hit = self._planner.lookup(request.request_id, tokens, num_computed_tokens, salt)
         return hit, hit > 0 and self._planner.load_async
 

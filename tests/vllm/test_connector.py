@@ -107,3 +107,16 @@ def test_worker_counts_reach_prometheus_through_vllms_stats() -> None:
     sample = registry.get_sample_value
     assert sample("hicache_vllm_loaded_tokens_total", {"engine": "0"}) == 64
     assert sample("hicache_vllm_saved_tokens_total", {"engine": "0"}) == 32
+
+
+def test_requests_whose_kv_is_not_their_tokens_alone_are_not_shared() -> None:
+    from hicache_ray.integrations.vllm import _shareable
+
+    plain = {"prompt_token_ids": [1, 2], "mm_features": None, "lora_request": None}
+    assert _shareable(SimpleNamespace(**plain, prompt_embeds=None))
+    for change in (
+        {"mm_features": ["an image"]},  # placeholder tokens stand for the media
+        {"lora_request": object()},  # the adapter changes the KV
+        {"prompt_token_ids": None},  # embeddings, no token ids
+    ):
+        assert not _shareable(SimpleNamespace(**{**plain, **change}, prompt_embeds=None))
