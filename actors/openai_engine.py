@@ -152,7 +152,7 @@ class OpenAIEngine:
         out = text.text + (text.finish() if not text.stopped else "")
         reason = "stop" if text.stopped else str(result.finish_reason)
         prompt = len(call.request.tokens)
-        use = usage(prompt, _completion_tokens(result, text), result.cached_tokens)
+        use = usage(prompt, _completion_tokens(result, text), **_tiers(result))
         build = chat_response if call.chat else completion_response
         return build(call.request.rid, call.model, out, reason, use)
 
@@ -216,7 +216,7 @@ class OpenAIEngine:
             else completion_chunk(rid, model, rest, reason)
         )
         if call.include_usage:
-            use = usage(len(request.tokens), _completion_tokens(result, text), result.cached_tokens)
+            use = usage(len(request.tokens), _completion_tokens(result, text), **_tiers(result))
             yield sse(
                 chat_chunk(rid, model, {}, None, use)
                 if chat
@@ -238,6 +238,14 @@ def _checked(result: RequestResult) -> RequestResult:
 def _unavailable(exc: DeploymentError) -> OpenAIError:
     """A deployment that cannot serve (shut down, or no retry left): 503."""
     return OpenAIError(503, str(exc), kind="server_error", retry_after_s=RETRY_AFTER_S)
+
+
+def _tiers(result: RequestResult) -> dict[str, int]:
+    return {
+        "device": result.device_hit_tokens,
+        "host": result.host_hit_tokens,
+        "storage": result.storage_hit_tokens,
+    }
 
 
 def _completion_tokens(result: RequestResult, text: IncrementalText) -> int:

@@ -8,8 +8,9 @@ through ``/v1/completions`` (streamed; the presets' text is token ids, so each a
 comes back exactly and the next turn's prompt is the history plus a new user part). Every
 conversation starts with its own ``system_len`` tokens, so the working set exceeds one
 replica's L1 + L2 but not the cluster's. Per router: prompt tokens served from cache
-(``usage.prompt_tokens_details.cached_tokens``), TTFT p50/p99, requests/s, failures; and
-the cache router over the others at the first replica count.
+(``usage.prompt_tokens_details.cached_tokens``, and by tier from its ``hicache``
+extension), TTFT p50/p99, requests/s, failures; and the cache router over the others at the
+first replica count.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = ["run_route_bench"]
 
 _SERVED = "bench"
 _RETRIES = 20  # per request, after each 503's Retry-After
+_TIERS = ("l1", "l2", "l3")  # usage.prompt_tokens_details.hicache
 
 
 @dataclass
@@ -41,6 +43,7 @@ class _Run:
     ttft_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    tiers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_TIERS, 0))
     failed: int = 0
     wall_s: float = 0.0
 
@@ -96,6 +99,9 @@ async def _turn(client: Any, prompt: list[int], max_new: int, run: _Run) -> list
                 run.prompt_tokens += chunk.usage.prompt_tokens
                 details = chunk.usage.prompt_tokens_details
                 run.cached_tokens += (details.cached_tokens or 0) if details else 0
+                tiers = (details.model_extra or {}).get("hicache", {}) if details else {}
+                for tier in _TIERS:
+                    run.tiers[tier] += int(tiers.get(tier, 0))
     except Exception:
         run.failed += 1
         return []
@@ -128,6 +134,7 @@ def _figures(prefix: str, run: _Run) -> list[Figure]:
     rate = len(run.ttft_s) / run.wall_s if run.wall_s else 0.0
     return [
         figure(f"{prefix}.hit_tokens", float(run.cached_tokens), "tokens"),
+        *(figure(f"{prefix}.hit_tokens.{t}", float(n), "tokens") for t, n in run.tiers.items()),
         figure(f"{prefix}.hit_share", share, "x"),
         figure(f"{prefix}.ttft_p50_ms", percentile(run.ttft_s, 50) * 1e3, "ms", better="lower"),
         figure(f"{prefix}.ttft_p99_ms", percentile(run.ttft_s, 99) * 1e3, "ms", better="lower"),

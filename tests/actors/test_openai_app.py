@@ -80,6 +80,8 @@ def test_models_and_a_multi_turn_chat_with_cached_tokens(server: tuple[int, Path
     second = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=8)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 8 and cached % 4 == 0  # the first turn's prompt pages came from cache
+    tiers = (second.usage.prompt_tokens_details.model_extra or {})["hicache"]
+    assert sum(tiers.values()) == cached and set(tiers) == {"l1", "l2", "l3"}
     assert second.usage.total_tokens == second.usage.prompt_tokens + second.usage.completion_tokens
 
 

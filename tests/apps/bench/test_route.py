@@ -26,6 +26,9 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     assert by_name["route.cache_vs_prefix.hit_tokens"].target == 1.1
     assert by_name["route.cache_vs_pow2.ttft_p50"].target == 0.7
     assert by_name["route.r2.cache.hit_tokens"].value > 0  # later turns found their history
+    for router in ("cache", "prefix", "pow2"):  # the tiers add up to the cached tokens
+        tiers = sum(by_name[f"route.r2.{router}.hit_tokens.{t}"].value for t in ("l1", "l2", "l3"))
+        assert tiers == by_name[f"route.r2.{router}.hit_tokens"].value
     try:
         import matplotlib  # noqa: F401
     except ImportError:
