@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apps.bench.options import RouteOptions
+from apps.bench.serve_http_bench import free_port, openai_client
 from apps.bench.workload import random_tokens
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile
@@ -32,7 +32,6 @@ from apps.report import Figure, figure, percentile
 __all__ = ["run_route_bench"]
 
 _SERVED = "bench"
-_RETRIES = 20  # per request, after each 503's Retry-After
 _TIERS = ("l1", "l2", "l3")  # usage.prompt_tokens_details.hicache
 
 
@@ -46,12 +45,6 @@ class _Run:
     tiers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_TIERS, 0))
     failed: int = 0
     wall_s: float = 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -70,7 +63,7 @@ def _server(opts: RouteOptions, replicas: int, router: str) -> Iterator[str]:
         "router": router,
         "served_name": _SERVED,
     }
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_app(args), name=f"route-{os.getpid()}", route_prefix="/")
@@ -110,11 +103,9 @@ async def _turn(client: Any, prompt: list[int], max_new: int, run: _Run) -> list
 
 
 async def _clients(url: str, opts: RouteOptions, vocab: int) -> _Run:
-    import openai
-
     run = _Run()
     history = [random_tokens(vocab, opts.system_len, 1000 + c) for c in range(opts.conversations)]
-    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=_RETRIES) as client:
+    async with openai_client(url) as client:
 
         async def client_loop(k: int) -> None:
             for round_ in range(opts.rounds):

@@ -24,14 +24,22 @@ from apps.bench.serve_options import ServeOptions, Turn, mode_figures
 from apps.multiturn.driver import mode_cache
 from apps.report import Figure, figure
 
-__all__ = ["HTTP_MODES", "run_http_modes"]
+__all__ = ["HTTP_MODES", "free_port", "openai_client", "run_http_modes"]
 
 HTTP_MODES = ("none", "l1_l2_l3")
 _SERVED = "bench"  # the model name the clients ask for
 _RETRIES = 20  # per request, after each 503's Retry-After
 
 
-def _free_port() -> int:
+def openai_client(url: str) -> Any:
+    """The official async client on ``url``, retrying a 503 after its Retry-After."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=_RETRIES)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -42,7 +50,7 @@ def _server(config: Any) -> Iterator[str]:
     """One replica serving ``config`` on 127.0.0.1; yields its base URL."""
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(serve_app(config, _SERVED), name="bench-http", route_prefix="/")
@@ -83,12 +91,10 @@ async def _turn(client: Any, prompt: list[int], max_new: int) -> tuple[Turn, lis
 
 async def _clients(url: str, opts: ServeOptions) -> tuple[list[Turn], float]:
     """Every client's conversation, closed loop; the turns and the wall time."""
-    import openai
-
     exp = opts.experiment
     trace = exp.trace(exp.rounds)
     turns: list[Turn] = []
-    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=_RETRIES) as client:
+    async with openai_client(url) as client:
 
         async def conversation(c: int) -> None:
             for round_ in range(exp.rounds):
@@ -107,9 +113,7 @@ async def _clients(url: str, opts: ServeOptions) -> tuple[list[Turn], float]:
 
 async def _decode_rate(url: str, n: int, tokens: int, batched: bool) -> float:
     """Generated tokens per second of ``n`` short requests, all at once or one by one."""
-    import openai
-
-    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=_RETRIES) as client:
+    async with openai_client(url) as client:
 
         async def one(i: int) -> int:
             answer = await client.completions.create(

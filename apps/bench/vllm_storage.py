@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from apps.bench.storage_ceilings import RawRay, ensure_ray, warm_object_store
-from apps.report import Figure, figure
+from apps.report import Figure, figure, time_into
 from hicache_ray.config import RayStorageOptions, StorageConfig
 from hicache_ray.integrations.sglang_setup import connect
 from hicache_ray.integrations.vllm_blocks import BlockMover
@@ -137,12 +136,12 @@ def _figures(
         rec = samples if rep else {k: [] for k in samples}
         hashes = page_hashes(list(range(rep * n * p, (rep + 1) * n * p)), p)
         names = [f"{rep}-{i}" for i in range(n * per_page)]
-        _timed(rec["raw_put"], partial(placed.put, names, blocks_in))
-        _timed(rec["save"], partial(_save, mover, hashes, blocks_in))
+        time_into(partial(placed.put, names, blocks_in), rec["raw_put"])
+        time_into(partial(_save, mover, hashes, blocks_in), rec["save"])
         placed.stage(names)
         mover.backend.flush()  # the shards own their copies: reads see them
-        _timed(rec["raw_get"], partial(placed.get, names, blocks_out))
-        _timed(rec["load"], partial(_load, mover, hashes, blocks_out))
+        time_into(partial(placed.get, names, blocks_out), rec["raw_get"])
+        time_into(partial(_load, mover, hashes, blocks_out), rec["load"])
         mover.backend.delete([k for h in hashes for k in mover.plan.keys(h)])
         raw.clear()
         # What was loaded is what was saved (outside the timings).
@@ -170,9 +169,3 @@ def _rates(samples: dict[str, list[float]], nbytes: int) -> list[Figure]:
         figure("storage.vllm.load.gbps", gbps("load"), "GB/s", ceiling=gbps("raw_get"), target=0.7),
         figure("storage.vllm.save.gbps", gbps("save"), "GB/s", ceiling=gbps("raw_put"), target=0.7),
     ]
-
-
-def _timed(samples: list[float], work: Callable[[], None]) -> None:
-    start = time.perf_counter()
-    work()
-    samples.append(time.perf_counter() - start)

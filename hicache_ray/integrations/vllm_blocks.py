@@ -28,7 +28,7 @@ __all__ = ["BlockMover"]
 log = logging.getLogger(__name__)
 
 
-_SPARE_BUFFERS = 4  # save staging buffers kept for reuse
+_SPARE_BUFFERS = 4  # staging buffers kept for reuse
 
 
 def _nothing() -> None:
@@ -86,26 +86,19 @@ class BlockMover:
         self._pending = 0
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-save")
-        self._arena: torch.Tensor | None = None
-        self._spare: list[torch.Tensor] = []  # save staging given back, reused
+        self._spare: list[torch.Tensor] = []  # staging given back by loads and saves
         self.counts = ConnectorStats()
 
     # ------------------------------------------------------------ staging
 
-    def staging(self, pages: int, *, fresh: bool = True) -> torch.Tensor:
-        """Room for ``pages`` pages; ``fresh=False``: the reused load arena."""
+    def staging(self, pages: int) -> torch.Tensor:
+        """New room for ``pages`` pages (pinned when the caches are on CUDA)."""
         shape = (pages, *self._page_shape)
-        pin = self._device.type == "cuda"
-        if fresh:
-            return torch.empty(shape, dtype=self._dtype, pin_memory=pin)
-        arena = self._arena
-        if arena is None or arena.shape[0] < pages:
-            arena = self._arena = torch.empty(shape, dtype=self._dtype, pin_memory=pin)
-        return arena[:pages]
+        return torch.empty(shape, dtype=self._dtype, pin_memory=self._device.type == "cuda")
 
-    def _save_buffer(self, pages: int) -> torch.Tensor:
-        """A save's staging, from the buffers earlier saves gave back when one is large
-        enough (fresh memory costs a page fault per 4 KiB, several times the copy)."""
+    def _buffer(self, pages: int) -> torch.Tensor:
+        """Staging for one load or save, from the buffers earlier moves gave back when one
+        is large enough (fresh memory costs a page fault per 4 KiB, several times the copy)."""
         with self._lock:
             for i, buf in enumerate(self._spare):
                 if buf.shape[0] >= pages:
@@ -160,22 +153,27 @@ class BlockMover:
 
     # ------------------------------------------------------------ moves
 
+    @torch.inference_mode()
     def load(self, job: PageJob) -> list[int]:
         """Read the job's pages and place them in its blocks; returns the blocks whose
-        pages could not be read and verified (vLLM recomputes them)."""
+        pages could not be read and verified (vLLM recomputes them). Loads and saves run in
+        inference mode wherever they are called from (vLLM's step, a loader thread): the
+        staging they pass on to each other is an inference tensor either way."""
         if not job.hashes:
             return []
-        staging = self.staging(len(job.hashes), fresh=False)
+        staging = self._buffer(len(job.hashes))
         per_page = len(self.plan.objects)
         done = self.backend.get(self._keys(job.hashes), self.objects(staging)) // per_page
         if done:
             self.place(staging[:done], job.block_ids[:done])
+        self._give_back(staging)
         failed = job.block_ids[done:]
         with self._lock:
             self.counts.loaded_tokens += done * self.page_size
             self.counts.load_failed_tokens += len(failed) * self.page_size
         return failed
 
+    @torch.inference_mode()
     def save(self, job: PageJob) -> Future[int] | None:
         """Copy the job's blocks out now and store them in the background (the blocks are
         free once this returns); None when the save was dropped (queue full)."""
@@ -185,7 +183,7 @@ class BlockMover:
                 self.counts.save_dropped_tokens += tokens
                 return None
             self._pending += 1
-        staging = self._save_buffer(len(job.hashes))
+        staging = self._buffer(len(job.hashes))
         self.gather(job.block_ids, staging)
         return self._writer.submit(self._store, self._keys(job.hashes), staging, tokens)
 

@@ -43,6 +43,7 @@ class _Request:
     salt: str  # the chain's tenant salt
     hit_pages: int = 0  # leading pages present (local hit included)
     local_pages: int = 0  # pages vLLM held itself at the lookup
+    looked_up: bool = False  # vLLM asks again while the request waits: answered once
     saved_pages: int = 0  # pages known stored or handed to a save
     load: PageJob | None = None  # allocated, not yet handed to the workers
 
@@ -80,7 +81,8 @@ class PagePlanner:
 
     def lookup(self, req_id: str, tokens: Sequence[int], num_computed: int, salt: str) -> int:
         """Tokens past ``num_computed`` the store can supply (leading whole pages, leaving
-        the prompt's last token to compute); remembers the hashes for the request."""
+        the prompt's last token to compute); remembers the hashes and the answer for the
+        request (vLLM asks again each step the request waits for room)."""
         p = self._page_size
         state = self._requests.get(req_id)
         if state is None:
@@ -89,6 +91,8 @@ class PagePlanner:
             self._requests[req_id] = state
         usable = (len(tokens) - 1) // p
         start = num_computed // p
+        if state.looked_up and state.local_pages == start:  # no store round trip again
+            return (state.hit_pages - start) * p
         found = start
         batch = 64
         while found < usable:
@@ -99,6 +103,7 @@ class PagePlanner:
             if present < len(chunk):
                 break
         state.local_pages, state.hit_pages = start, max(found, start)
+        state.looked_up = True
         state.saved_pages = max(state.saved_pages, state.hit_pages)
         return (state.hit_pages - start) * p
 
@@ -115,6 +120,7 @@ class PagePlanner:
             list(block_ids[first : first + pages]),
         )
         state.load = job
+        state.looked_up = False  # the answer is taken: a later ask (after a failed load) is new
         self._allocated.append(req_id)
         self.counts.hit_tokens += num_external
 

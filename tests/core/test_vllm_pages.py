@@ -347,3 +347,17 @@ def test_an_asynchronous_load_is_planned_before_its_request_is_scheduled() -> No
     planner.allocated("gone", [1], PAGE)  # an unknown request: nothing planned
     planner.finished("r")
     assert planner.step([]).loads == []
+
+
+def test_a_waiting_request_is_looked_up_once_until_its_load_is_planned() -> None:
+    tokens = list(range(2 * PAGE + 1))
+    planner, _ = _planner(2, tokens)
+    asked: list[int] = []
+    exists = planner._backend.exists
+    planner._backend.exists = lambda keys: asked.append(len(keys)) or exists(keys)  # type: ignore[method-assign]
+    for _ in range(3):  # vLLM asks each step the request waits for room
+        assert planner.lookup("r", tokens, 0, "") == 2 * PAGE
+    assert len(asked) == 1
+    planner.allocated("r", [3, 4], 2 * PAGE)
+    planner.lookup("r", tokens, 0, "")  # after a failed load vLLM asks again: a new answer
+    assert len(asked) == 2
