@@ -47,7 +47,7 @@ class VLLMBenchOptions:
     head_dim: int = 128
     page_size: int = 32
     batch_pages: int = 128
-    repeats: int = 5
+    repeats: int = 9
 
     @classmethod
     def quick(cls) -> VLLMBenchOptions:

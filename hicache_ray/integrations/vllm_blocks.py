@@ -190,7 +190,11 @@ class BlockMover:
     def _store(self, keys: list[str], staging: torch.Tensor, tokens: int) -> int:
         per_page = len(self.plan.objects)
         try:
-            stored = self.backend.put(keys, self.objects(staging)) // per_page * self.page_size
+            # NOTE: vLLM computed these pages because the scheduler's lookup missed them
+            # (or they follow a miss): asking the store again costs a round trip per save
+            # to learn what is almost always no; a concurrent writer's copy is harmless.
+            stored = self.backend.put(keys, self.objects(staging), unseen=True)
+            stored = stored // per_page * self.page_size
         except Exception as exc:  # a failed save is a later miss, never a failed request
             log.warning("hicache-ray vLLM connector: a save failed: %s", exc)
             stored = 0

@@ -43,6 +43,11 @@ class ObjectStore(ABC):
     and go on; reads (and leading lookups) stop after the first absent key too.
     """
 
+    #: Headers (their payload checksums) are made on a helper thread while earlier pages
+    #: are written. A store whose writes hold the GIL between short releases (``ray.put``
+    #: slows down many times beside a busy Python thread) hashes on the writing thread.
+    hash_ahead: bool = True
+
     @abstractmethod
     def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
         """Stored bytes of each key, None when absent; stops after the first failed key,

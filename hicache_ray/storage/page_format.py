@@ -39,6 +39,8 @@ __all__ = [
     "PREFIX_BYTES",
     "CorruptPage",
     "FutureHeaders",
+    "HeaderArgs",
+    "LazyHeaders",
     "PageHeader",
     "ReadOut",
     "StridedOut",
@@ -232,6 +234,34 @@ def tensor_problem(
     return None
 
 
+HeaderArgs = tuple[str, str, torch.Tensor, memoryview, "str | None"]
+
+
+class LazyHeaders(Sequence[bytes]):
+    """Headers made on the writing thread when the store first asks for each (as it
+    assembles the object holding the page), so the payload is hashed just before the write
+    copies it, while its bytes are still in cache. ``args``: :func:`encode_header`'s."""
+
+    def __init__(self, args: Sequence[HeaderArgs]) -> None:
+        self._args = args
+        self._made: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._args)
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            return LazyHeaders(self._args[i])
+        made = self._made.get(i)
+        if made is None:
+            made = self._made[i] = encode_header(*self._args[i])
+        return made
+
+
 class FutureHeaders(Sequence[bytes]):
     """Headers made on a helper thread, waited for one by one as the store writes them,
     so hashing page i + 1 overlaps writing page i."""
@@ -241,6 +271,11 @@ class FutureHeaders(Sequence[bytes]):
 
     def __len__(self) -> int:
         return len(self._futures)
+
+    def cancel(self) -> None:
+        """Drop the headers not started yet (the write ended before needing them)."""
+        for future in self._futures:
+            future.cancel()
 
     @overload
     def __getitem__(self, i: int) -> bytes: ...

@@ -41,6 +41,8 @@ from hicache_ray.storage.objects import ObjectStore, ReadOutcome
 from hicache_ray.storage.page_format import (
     CorruptPage,
     FutureHeaders,
+    HeaderArgs,
+    LazyHeaders,
     ReadOut,
     StridedOut,
     checksum_of,
@@ -164,15 +166,25 @@ class PagedBackend(PageWrites, StorageBackend):
         keys: Sequence[str],
         pages: Sequence[torch.Tensor],
         checksums: Sequence[str] | None = None,
+        *,
+        unseen: bool = False,
     ) -> int:
-        """See :meth:`StorageBackend.put`. ``checksums``: the pages' payload checksums when
-        the caller computed them while the bytes were in cache (an integration that copies
-        pages out of a pool of another layout); a wrong one stores a page that every read
-        then rejects as corrupt, never a wrong page."""
+        """See :meth:`StorageBackend.put`.
+
+        Args:
+            checksums: the pages' payload checksums when the caller computed them while the
+                bytes were in cache (an integration that copies pages out of a pool of
+                another layout); a wrong one stores a page that every read then rejects as
+                corrupt, never a wrong page.
+            unseen: the caller knows the pages were not stored when it last looked (it
+                computed them after a lookup missed them), so the store is not asked again:
+                a page another writer stored since is written once more (the same bytes
+                under the same name; the store keeps one).
+        """
         self._check_tensors("page", keys, pages)
         if checksums is not None and len(checksums) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(checksums)} checksums")
-        known = self._present(keys)
+        known = [False] * len(keys) if unseen else self._present(keys)
         # Keys before a failed lookup are known present or absent; the batch ends there.
         new = [i for i in range(len(known)) if known[i] is False]
         with self._lock:
@@ -181,35 +193,39 @@ class PagedBackend(PageWrites, StorageBackend):
                     self._index.touch(keys[i])
                     self._counts["put_skipped"] += 1
         payloads = [payload_view(pages[i]) for i in new]
-        futures = [
-            self._hasher.submit(
-                encode_header,
-                keys[i],
-                self._digest,
-                pages[i],
-                payload,
-                None if checksums is None else checksums[i],
-            )
-            for i, payload in zip(new, payloads, strict=True)
-        ]
-        sizes = [
-            framed_size(keys[i], self._digest, pages[i], payload)
-            for i, payload in zip(new, payloads, strict=True)
-        ]
+        headers, sizes = self._headers(keys, pages, checksums, new, payloads)
         reserved = self._reserve(sizes)
         try:
             errors = self.objects.write_many(
-                [keys[i] for i in new[:reserved]],
-                FutureHeaders(futures[:reserved]),
-                payloads[:reserved],
+                [keys[i] for i in new[:reserved]], headers[:reserved], payloads[:reserved]
             )
         except Exception as exc:  # the store is unreachable: nothing written
             errors = [exc]
         finally:
-            for future in futures:
-                future.cancel()
+            if isinstance(headers, FutureHeaders):
+                headers.cancel()
         stored = self._settle_writes(keys, new, sizes, payloads, reserved, errors)
         return min(stored, len(known))
+
+    def _headers(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[torch.Tensor],
+        checksums: Sequence[str] | None,
+        new: list[int],
+        payloads: list[memoryview],
+    ) -> tuple[Sequence[bytes], list[int]]:
+        """The new pages' headers (made ahead on the hasher thread where the store allows
+        it, see :attr:`ObjectStore.hash_ahead`, else as the store asks for them) and framed
+        sizes."""
+        args: list[HeaderArgs] = [
+            (keys[i], self._digest, pages[i], payload, None if checksums is None else checksums[i])
+            for i, payload in zip(new, payloads, strict=True)
+        ]
+        sizes = [framed_size(*a[:4]) for a in args]
+        if not self.objects.hash_ahead:
+            return LazyHeaders(args), sizes
+        return FutureHeaders([self._hasher.submit(encode_header, *a) for a in args]), sizes
 
     def delete(self, keys: Sequence[str]) -> None:
         check_keys(keys)
