@@ -15,11 +15,13 @@ own block hashes are never used: they are seeded per process.
 The scheduler side looks up the leading pages past vLLM's own hit and tells vLLM how many
 tokens it can load: asynchronously by default (vLLM runs other requests meanwhile and
 schedules this one once :meth:`HiCacheRayConnector.get_finished` reports its load), or
-before the forward that needs them (``load_async: false``); each step it plans the loads
+in the step that needs them (``load_async: false``: placed layer by layer as the forward
+reaches each layer); each step it plans the loads
 and the saves of the pages that step fills. The worker side reads and verifies each page
 into staging and places it in vLLM's blocks (a reorder and an indexed copy per layer), and
 after the forward gathers the filled blocks into staging and stores them on a background
-thread. A page that is missing, corrupt or unreadable is a load
+thread. In-step loads are placed layer by layer while the forward runs (each layer's
+attention waits for its own layer). A page that is missing, corrupt or unreadable is a load
 error: vLLM recomputes its blocks (``kv_load_failure_policy: recompute``); a dead store is a
 miss. Options: :class:`~hicache_ray.integrations.vllm_setup.VLLMStoreOptions`.
 """
@@ -39,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hicache_ray.errors import ConfigError
 from hicache_ray.integrations.sglang_setup import connect
-from hicache_ray.integrations.vllm_blocks import BlockMover
+from hicache_ray.integrations.vllm_blocks import BlockMover, LayerByLayer
 from hicache_ray.integrations.vllm_metrics import WORKER_FIELDS, ConnectorProm, MovedTokens
 from hicache_ray.integrations.vllm_pages import PageJob, PagePlanner, StepPlan
 from hicache_ray.integrations.vllm_setup import (
@@ -105,6 +107,8 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._reported: dict[str, int] = {}  # worker counts at the last stats report
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-load")
         self._loading: dict[str, tuple[PageJob, Future[list[int]]]] = {}  # async loads
+        self._layered: LayerByLayer | None = None  # this step's in-step loads
+        self._positions: dict[str, int] = {}  # layer name -> place in the mover's layers
         if role == KVConnectorRole.SCHEDULER:
             self._planner = self._open_planner()
 
@@ -137,6 +141,7 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if layout == "auto":
             layout = self._platform_layout()
         tensors = [t for _, t in named]
+        self._positions = {name: i for i, (name, _) in enumerate(named)}
         self._mover = BlockMover(
             tensors, layout, plan, connect(self._storage, plan), self.options.max_pending_saves
         )
@@ -186,11 +191,12 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         mover = self._mover
         if mover is None or not isinstance(meta, HiCacheRayMeta):
             return
-        for job in meta.plan.loads:
-            if meta.plan.async_loads:  # one loader thread: loads run in order
-                self._loading[job.req_id] = (job, self._loader.submit(mover.load, job))
-            else:
-                self._failed.update(mover.load(job))
+        if not meta.plan.async_loads and meta.plan.loads:
+            self._layered = LayerByLayer(mover, meta.plan.loads)
+            self._loader.submit(self._layered.run)
+            return
+        for job in meta.plan.loads:  # one loader thread: loads run in order
+            self._loading[job.req_id] = (job, self._loader.submit(mover.load, job))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous load is in (or failed: their blocks are then
@@ -206,7 +212,20 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load is placed before the forward starts
+        """In-step loads (``load_async: false``): until this layer's pages are placed."""
+        if self._layered is None:
+            return
+        position = self._positions.get(layer_name)
+        if position is None:
+            self._layered.wait_all()
+        else:
+            self._layered.wait(position)
+
+    def _end_layered(self) -> None:
+        """The step's in-step loads are all placed; their failed blocks are reported."""
+        if self._layered is not None:
+            layered, self._layered = self._layered, None
+            self._failed.update(layered.wait_all())
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -214,6 +233,7 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # saves gather every layer at once, after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
+        self._end_layered()  # after the forward: a layer it did not wait for is in too
         meta = self._get_connector_metadata()
         if self._mover is None or not isinstance(meta, HiCacheRayMeta):
             return
@@ -227,6 +247,7 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._mover.drain(timeout_s)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_layered()
         failed, self._failed = self._failed, set()
         return failed
 

@@ -23,7 +23,7 @@ from hicache_ray.keys import ShardPlan
 from hicache_ray.stats import ConnectorStats
 from hicache_ray.storage import PagedBackend
 
-__all__ = ["BlockMover"]
+__all__ = ["BlockMover", "LayerByLayer"]
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class BlockMover:
                     return self._spare.pop(i)[:pages]
         return self.staging(pages)
 
-    def _give_back(self, staging: torch.Tensor) -> None:
+    def give_back(self, staging: torch.Tensor) -> None:
+        """Return staging from :meth:`read` (or a save) for reuse."""
         base = staging._base if staging._base is not None else staging
         with self._lock:
             if len(self._spare) < _SPARE_BUFFERS:
@@ -135,15 +136,18 @@ class BlockMover:
             for slot, view in enumerate(slot_views(self._layout, blocks, *self._kv())):
                 staging[:, :, layer, slot].copy_(self._grouped(view))
 
-    def place(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Write the staged pages into the blocks (one page per block, in order)."""
+    def place(
+        self, staging: torch.Tensor, block_ids: Sequence[int], layers: Sequence[int] | None = None
+    ) -> None:
+        """Write the staged pages into the blocks (one page per block, in order), in
+        ``layers`` (default: every layer)."""
         n = staging.shape[0]
         index = torch.tensor(list(block_ids), device=self._device)
         blocks = torch.empty((n, *self.layers[0].shape[1:]), dtype=self._dtype)
-        for layer, cache in enumerate(self.layers):
+        for layer in range(len(self.layers)) if layers is None else layers:
             for slot, view in enumerate(slot_views(self._layout, blocks, *self._kv())):
                 self._grouped(view).copy_(staging[:, :, layer, slot])
-            cache.index_copy_(0, index, blocks.to(self._device, non_blocking=True))
+            self.layers[layer].index_copy_(0, index, blocks.to(self._device, non_blocking=True))
 
     def _kv(self) -> tuple[int, int]:
         return self._heads, self._head_dim
@@ -159,19 +163,25 @@ class BlockMover:
         pages could not be read and verified (vLLM recomputes them). Loads and saves run in
         inference mode wherever they are called from (vLLM's step, a loader thread): the
         staging they pass on to each other is an inference tensor either way."""
-        if not job.hashes:
-            return []
-        staging = self._buffer(len(job.hashes))
-        per_page = len(self.plan.objects)
-        done = self.backend.get(self._keys(job.hashes), self.objects(staging)) // per_page
+        staging, done = self.read(job)
         if done:
             self.place(staging[:done], job.block_ids[:done])
-        self._give_back(staging)
-        failed = job.block_ids[done:]
+        self.give_back(staging)
+        return job.block_ids[done:]
+
+    @torch.inference_mode()
+    def read(self, job: PageJob) -> tuple[torch.Tensor, int]:
+        """Read and verify the job's pages into staging (give it back once placed); returns
+        it and how many leading pages it holds (the blocks of the rest are load errors)."""
+        staging = self._buffer(len(job.hashes))
+        per_page = len(self.plan.objects)
+        done = 0
+        if job.hashes:
+            done = self.backend.get(self._keys(job.hashes), self.objects(staging)) // per_page
         with self._lock:
             self.counts.loaded_tokens += done * self.page_size
-            self.counts.load_failed_tokens += len(failed) * self.page_size
-        return failed
+            self.counts.load_failed_tokens += (len(job.hashes) - done) * self.page_size
+        return staging, done
 
     @torch.inference_mode()
     def save(self, job: PageJob) -> Future[int] | None:
@@ -198,7 +208,7 @@ class BlockMover:
         except Exception as exc:  # a failed save is a later miss, never a failed request
             log.warning("hicache-ray vLLM connector: a save failed: %s", exc)
             stored = 0
-        self._give_back(staging)
+        self.give_back(staging)
         with self._lock:
             self._pending -= 1
             self.counts.saved_tokens += stored
@@ -214,3 +224,52 @@ class BlockMover:
         self._writer.shutdown(wait=True)
         self.backend.flush()
         self.backend.close()
+
+
+class LayerByLayer:
+    """One step's in-step loads, placed layer by layer on the loader thread while the
+    forward runs: the attention of layer i waits (:meth:`wait`) for layer i alone, so the
+    placing of later layers overlaps the forward of earlier ones. Every page is read and
+    verified before the first layer is placed (an object holds all of a page's layers).
+
+    Args:
+        mover: the worker's block mover.
+        jobs: the step's loads.
+    """
+
+    def __init__(self, mover: BlockMover, jobs: Sequence[PageJob]) -> None:
+        self._mover, self._jobs = mover, list(jobs)
+        self._ready = [threading.Event() for _ in mover.layers]
+        self.failed: list[int] = []  # blocks not loaded (complete once the last layer is)
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        """On the loader thread: read every job, then place layer after layer."""
+        reads: list[tuple[PageJob, torch.Tensor, int]] = []
+        try:
+            for job in self._jobs:
+                reads.append((job, *self._mover.read(job)))
+            for job, _, done in reads:
+                self.failed += job.block_ids[done:]
+            for layer, ready in enumerate(self._ready):
+                for job, staging, done in reads:
+                    if done:
+                        self._mover.place(staging[:done], job.block_ids[:done], [layer])
+                ready.set()
+        except Exception as exc:  # a failed load is a recompute, never a failed request
+            log.warning("hicache-ray vLLM connector: a load failed: %s", exc)
+            self.failed = [b for job in self._jobs for b in job.block_ids]
+        finally:
+            for _, staging, _ in reads:
+                self._mover.give_back(staging)
+            for ready in self._ready:
+                ready.set()
+
+    def wait(self, layer: int) -> None:
+        """Until ``layer``'s blocks are placed (or the load failed)."""
+        self._ready[layer].wait()
+
+    def wait_all(self) -> list[int]:
+        """Until every layer is placed; the blocks not loaded."""
+        self._ready[-1].wait()
+        return self.failed

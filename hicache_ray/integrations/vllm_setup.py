@@ -139,7 +139,7 @@ class VLLMStoreOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             dropped save is a later miss, counted).
         load_async: load a request's pages on a background thread while vLLM runs other
             requests (it schedules the request once the load is in); ``false``: load
-            before the forward that needs them, in the step.
+            in the step, placed layer by layer as the forward reaches each layer.
     """
 
     store: Literal["ray", "file"] = "ray"

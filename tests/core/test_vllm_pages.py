@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_ray.config import Fault, StorageConfig
+from hicache_ray.config import Fault
 from hicache_ray.errors import ConfigError
-from hicache_ray.integrations.vllm_blocks import BlockMover
 from hicache_ray.integrations.vllm_pages import PageJob, PagePlanner
 from hicache_ray.integrations.vllm_setup import (
     layer_index,
@@ -21,38 +20,25 @@ from hicache_ray.integrations.vllm_setup import (
     slot_views,
     storage_config,
 )
-from hicache_ray.keys import ShardPlan, page_hashes, plan_objects
-from hicache_ray.layout import ModelKV, Shard, ShardKV
-from hicache_ray.storage import FaultyObjects, MemoryObjects, PagedBackend
-
-LAYERS, HEADS, DIM, PAGE, BLOCKS = 3, 4, 32, 16, 12
-MODEL = ModelKV(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="float32")
-
-
-def _plan(tp_rank: int = 0, tp: int = 1, share_tp: tuple[int, ...] = ()) -> ShardPlan:
-    kv = ShardKV(model=MODEL, shard=Shard(tp_rank=tp_rank, tp_size=tp), page_size=PAGE)
-    return plan_objects(kv, StorageConfig(backend="memory", model_id="m", share_tp=share_tp))
-
-
-def _backend(plan: ShardPlan, objects: Any = None) -> PagedBackend:
-    return PagedBackend("memory", objects or MemoryObjects(), plan)
-
-
-def _cpu_caches(seed: int, heads: int = HEADS) -> list[torch.Tensor]:
-    """CPU_ATTN caches ``[blocks, H, P, 2D]`` of random KV."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(BLOCKS, heads, PAGE, 2 * DIM, generator=g) for _ in range(LAYERS)]
-
-
-def _stack(mover: BlockMover, layer: int, blocks: Any) -> torch.Tensor:
-    """``[n, S, P, H, D]`` of ``blocks`` of one layer of ``mover``'s caches."""
-    cache = mover.layers[layer]
-    key, value = slot_views("cpu_vec", cache, cache.shape[1], DIM)
-    return torch.stack([key[blocks], value[blocks]], dim=1)
+from hicache_ray.keys import page_hashes
+from hicache_ray.storage import FaultyObjects, MemoryObjects
+from tests.core.vllm_kit import (
+    BLOCKS,
+    DIM,
+    HEADS,
+    LAYERS,
+    MODEL,
+    PAGE,
+    backend_of,
+    cpu_caches,
+    mover_of,
+    plan_of,
+    stack,
+)
 
 
 def test_the_cpu_vec_layout_is_k_transposed_then_v_per_head() -> None:
-    cache = _cpu_caches(0)[0]
+    cache = cpu_caches(0)[0]
     # What vLLM 0.32's CPU kernel (vec ISA) writes per block and head: K as [D, P], V as
     # [P, D] (read off the bytes it stored for the KV hicache-ray computes; tests/vllm).
     per_head = cache.view(BLOCKS, HEADS, 2, PAGE * DIM)
@@ -76,31 +62,27 @@ def test_a_cache_of_another_shape_is_refused() -> None:
         slot_views("paged", torch.zeros(4, HEADS, PAGE, 2 * DIM), HEADS, DIM)
 
 
-def _mover(caches: list[torch.Tensor], plan: ShardPlan, backend: Any, **kw: Any) -> BlockMover:
-    return BlockMover(caches, "cpu_vec", plan, backend, **kw)
-
-
 def test_saved_blocks_load_into_other_blocks_of_another_engine() -> None:
-    plan, objects = _plan(), MemoryObjects()
-    writer = _mover(_cpu_caches(1), plan, _backend(plan, objects))
+    plan, objects = plan_of(), MemoryObjects()
+    writer = mover_of(cpu_caches(1), plan, backend_of(plan, objects))
     hashes = page_hashes(list(range(3 * PAGE)), PAGE)
     future = writer.save(PageJob("r", hashes, [7, 2, 9]))
     assert future is not None and future.result() == 3 * PAGE
-    readers = _cpu_caches(2)
-    reader = _mover(readers, plan, _backend(plan, objects))
+    readers = cpu_caches(2)
+    reader = mover_of(readers, plan, backend_of(plan, objects))
     assert reader.load(PageJob("r", hashes, [0, 1, 4])) == []
     for layer in range(LAYERS):
-        assert torch.equal(_stack(reader, layer, [0, 1, 4]), _stack(writer, layer, [7, 2, 9]))
+        assert torch.equal(stack(reader, layer, [0, 1, 4]), stack(writer, layer, [7, 2, 9]))
     assert reader.counts.loaded_tokens == 3 * PAGE and writer.counts.saved_tokens == 3 * PAGE
     writer.close()
     reader.close()
 
 
 def test_stored_objects_are_in_page_unified_order() -> None:
-    plan = _plan()
-    caches = _cpu_caches(3)
-    backend = _backend(plan)
-    mover = _mover(caches, plan, backend)
+    plan = plan_of()
+    caches = cpu_caches(3)
+    backend = backend_of(plan)
+    mover = mover_of(caches, plan, backend)
     (h,) = page_hashes(list(range(PAGE)), PAGE)
     future = mover.save(PageJob("r", [h], [4]))
     assert future is not None and future.result() == PAGE
@@ -121,40 +103,40 @@ def test_a_tp2_rank_stores_the_head_groups_a_tp1_rank_reads() -> None:
     hashes = page_hashes(list(range(2 * PAGE)), PAGE)
     ranks = []
     for rank in range(2):
-        plan = _plan(rank, 2, share_tp=(1, 2))
-        caches = _cpu_caches(10 + rank, heads=HEADS // 2)
-        mover = _mover(caches, plan, _backend(plan, objects))
+        plan = plan_of(rank, 2, share_tp=(1, 2))
+        caches = cpu_caches(10 + rank, heads=HEADS // 2)
+        mover = mover_of(caches, plan, backend_of(plan, objects))
         future = mover.save(PageJob("r", hashes, [3, 5]))
         assert future is not None and future.result() == 2 * PAGE
         ranks.append(mover)
-    plan = _plan(0, 1, share_tp=(1, 2))
-    whole = _mover(_cpu_caches(0), plan, _backend(plan, objects))
+    plan = plan_of(0, 1, share_tp=(1, 2))
+    whole = mover_of(cpu_caches(0), plan, backend_of(plan, objects))
     assert whole.load(PageJob("r", hashes, [0, 1])) == []
     for layer in range(LAYERS):
-        halves = [_stack(m, layer, [3, 5]) for m in ranks]
-        assert torch.equal(_stack(whole, layer, [0, 1]), torch.cat(halves, dim=3))  # H 0-1, 2-3
+        halves = [stack(m, layer, [3, 5]) for m in ranks]
+        assert torch.equal(stack(whole, layer, [0, 1]), torch.cat(halves, dim=3))  # H 0-1, 2-3
 
 
 def test_a_corrupt_page_fails_its_blocks_and_the_rest_for_recompute() -> None:
-    plan, objects = _plan(), MemoryObjects()
-    writer = _mover(_cpu_caches(4), plan, _backend(plan, objects))
+    plan, objects = plan_of(), MemoryObjects()
+    writer = mover_of(cpu_caches(4), plan, backend_of(plan, objects))
     hashes = page_hashes(list(range(3 * PAGE)), PAGE)
     future = writer.save(PageJob("r", hashes, [0, 1, 2]))
     assert future is not None and future.result() == 3 * PAGE
     faulty = FaultyObjects(objects, (Fault(op="read", kind="corrupt", skip=1, limit=1),), 0)
-    readers = _cpu_caches(5)
-    reader = _mover(readers, plan, _backend(plan, faulty))
+    readers = cpu_caches(5)
+    reader = mover_of(readers, plan, backend_of(plan, faulty))
     assert reader.load(PageJob("r", hashes, [6, 7, 8])) == [7, 8]
-    assert torch.equal(_stack(reader, 0, [6]), _stack(writer, 0, [0]))  # the page before
+    assert torch.equal(stack(reader, 0, [6]), stack(writer, 0, [0]))  # the page before
     assert reader.counts.load_failed_tokens == 2 * PAGE
 
 
 def test_a_dead_store_is_a_miss_and_a_failed_save_is_counted() -> None:
-    plan = _plan()
+    plan = plan_of()
     dead = FaultyObjects(
         MemoryObjects(), (Fault(op="read", kind="fail"), Fault(op="write", kind="fail")), 0
     )
-    mover = _mover(_cpu_caches(6), plan, _backend(plan, dead))
+    mover = mover_of(cpu_caches(6), plan, backend_of(plan, dead))
     hashes = page_hashes(list(range(2 * PAGE)), PAGE)
     assert mover.load(PageJob("r", hashes, [1, 2])) == [1, 2]
     future = mover.save(PageJob("r", hashes, [1, 2]))
@@ -175,8 +157,8 @@ class _Blocking(MemoryObjects):
 
 
 def test_saves_beyond_the_queue_are_dropped_not_waited_for() -> None:
-    plan, slow = _plan(), _Blocking()
-    mover = _mover(_cpu_caches(7), plan, _backend(plan, slow), max_pending_saves=1)
+    plan, slow = plan_of(), _Blocking()
+    mover = mover_of(cpu_caches(7), plan, backend_of(plan, slow), max_pending_saves=1)
     first, second = (page_hashes([i] * PAGE, PAGE) for i in range(2))
     pending = mover.save(PageJob("a", first, [0]))
     assert pending is not None
@@ -191,15 +173,15 @@ def test_saves_beyond_the_queue_are_dropped_not_waited_for() -> None:
 
 
 def _planner(stored_pages: int, tokens: list[int], salt: str = "") -> tuple[PagePlanner, Any]:
-    plan, objects = _plan(), MemoryObjects()
-    backend = _backend(plan, objects)
-    mover = _mover(_cpu_caches(8), plan, backend)
+    plan, objects = plan_of(), MemoryObjects()
+    backend = backend_of(plan, objects)
+    mover = mover_of(cpu_caches(8), plan, backend)
     hashes = page_hashes(tokens, PAGE, salt=salt or None)[:stored_pages]
     if hashes:
         future = mover.save(PageJob("w", hashes, list(range(len(hashes)))))
         assert future is not None and future.result() == len(hashes) * PAGE
     suffixes = [o.suffix for o in plan.objects]
-    return PagePlanner(_backend(plan, objects), suffixes, PAGE, salt), mover
+    return PagePlanner(backend_of(plan, objects), suffixes, PAGE, salt), mover
 
 
 def test_lookup_counts_leading_pages_past_vllms_own_and_leaves_a_token() -> None:
@@ -318,8 +300,8 @@ def test_layer_names_give_their_decoder_layer() -> None:
 
 
 def test_a_save_reuses_the_staging_an_earlier_one_gave_back() -> None:
-    plan, objects = _plan(), MemoryObjects()
-    writer = _mover(_cpu_caches(9), plan, _backend(plan, objects))
+    plan, objects = plan_of(), MemoryObjects()
+    writer = mover_of(cpu_caches(9), plan, backend_of(plan, objects))
     jobs = [
         PageJob(f"r{i}", page_hashes([i] * 2 * PAGE, PAGE), [2 * i, 2 * i + 1]) for i in range(3)
     ]
@@ -327,12 +309,12 @@ def test_a_save_reuses_the_staging_an_earlier_one_gave_back() -> None:
         future = writer.save(job)
         assert future is not None and future.result() == 2 * PAGE
     assert len(writer._spare) == 1
-    reader = _mover(_cpu_caches(10), plan, _backend(plan, objects))
+    reader = mover_of(cpu_caches(10), plan, backend_of(plan, objects))
     for i, job in enumerate(jobs):
         assert reader.load(PageJob(job.req_id, job.hashes, [8, 9])) == []
         for layer in range(LAYERS):
             assert torch.equal(
-                _stack(reader, layer, [8, 9]), _stack(writer, layer, [2 * i, 2 * i + 1])
+                stack(reader, layer, [8, 9]), stack(writer, layer, [2 * i, 2 * i + 1])
             )
 
 

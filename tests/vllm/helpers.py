@@ -90,3 +90,11 @@ def worker() -> Any:
 def scheduler(llm: Any) -> Any:
     """The scheduler side of ``llm``'s connector (the engine runs in this process)."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def corrupt_page(root: Path, page_hash: str) -> None:
+    """Flip a payload byte of a page's last object in a file store at ``root``."""
+    path = sorted(root.glob(f"{page_hash[:2]}/{page_hash}_*"))[-1]  # its last head group
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x5A  # a payload byte: the checksum no longer matches
+    path.write_bytes(bytes(data))

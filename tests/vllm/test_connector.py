@@ -18,7 +18,16 @@ import pytest
 
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import page_hashes
-from tests.vllm.helpers import PAGE, engine, file_store, generate, prompt_ids, scheduler, worker
+from tests.vllm.helpers import (
+    PAGE,
+    corrupt_page,
+    engine,
+    file_store,
+    generate,
+    prompt_ids,
+    scheduler,
+    worker,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,19 +63,12 @@ def test_answers_extend_the_stored_prefix(llm: Any) -> None:
     assert cached == (len(tokens) + len(answer)) // PAGE * PAGE
 
 
-def _corrupt(root: Path, page_hash: str) -> None:
-    path = sorted(root.glob(f"{page_hash[:2]}/{page_hash}_*"))[-1]  # its last head group
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x5A  # a payload byte: the checksum no longer matches
-    path.write_bytes(bytes(data))
-
-
 def test_a_corrupt_object_is_recomputed_and_the_answer_unchanged(
     llm: Any, store_root: Path
 ) -> None:
     tokens = prompt_ids(4, 3 * PAGE + 1)
     first, _ = generate(llm, tokens)
-    _corrupt(store_root, page_hashes(tokens, PAGE)[1])
+    corrupt_page(store_root, page_hashes(tokens, PAGE)[1])
     failed = worker().counts.load_failed_tokens
     llm.reset_prefix_cache()
     again, _ = generate(llm, tokens)

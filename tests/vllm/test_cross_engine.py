@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
+
 from actors import Deployment, DeploymentConfig, drop_store
 from apps.multiturn import exact
 from hicache_ray.config import (
@@ -26,6 +28,7 @@ from hicache_ray.request import GenerateRequest
 from tests.vllm.helpers import (
     MODEL_ID,
     PAGE,
+    corrupt_page,
     engine,
     file_store,
     generate,
@@ -112,10 +115,27 @@ def test_a_dropped_ray_store_is_a_miss_and_vllm_keeps_serving(
         assert cached == 0 and len(other) == 8
 
 
-def test_synchronous_loads_place_pages_before_the_forward(checkpoint: Path, tmp_path: Path) -> None:
+def test_synchronous_loads_are_placed_layer_by_layer_as_the_forward_reaches_them(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache_ray.integrations.vllm_blocks import LayerByLayer
+
+    waited: list[int] = []
+    wait = LayerByLayer.wait
+    monkeypatch.setattr(
+        LayerByLayer, "wait", lambda self, layer: (waited.append(layer), wait(self, layer))[1]
+    )
     tokens = prompt_ids(14, 3 * PAGE + 11)
     with engine(checkpoint, file_store(tmp_path, load_async=False)) as llm:
         first, _ = generate(llm, tokens)
+        assert waited == []  # nothing to load
         llm.reset_prefix_cache()
         assert generate(llm, tokens) == (first, 3 * PAGE)
         assert not scheduler(llm)._planner.load_async
+        layers = len(worker()._positions)
+        assert waited == list(range(layers))  # vLLM's attention waited for each layer
+        corrupt_page(tmp_path, page_hashes(tokens, PAGE)[2])
+        failed = worker().counts.load_failed_tokens
+        llm.reset_prefix_cache()
+        assert generate(llm, tokens)[0] == first  # the failed page is recomputed
+        assert worker().counts.load_failed_tokens - failed == PAGE
