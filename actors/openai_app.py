@@ -191,11 +191,13 @@ def serve_app(
     replicas: int = 1,
     router: str = "cache",
     weights: dict[str, float] | None = None,
+    ingresses: int = 1,
 ) -> Any:
     """The Serve application serving ``config``, ready for ``serve.run``: one replica
     (bundles for its ranks, ``max_ongoing_requests`` from its limits), or with
-    ``replicas`` > 1 an ingress in front of that many engine replicas, each with its own
-    ranks, routed by ``router`` (:mod:`actors.routing`; ``weights``: the cache router's)."""
+    ``replicas`` > 1 ``ingresses`` ingress replicas in front of that many engine replicas,
+    each with its own ranks, routed by ``router`` (:mod:`actors.routing`; ``weights``: the
+    cache router's; every ingress replica routes with its own router instance)."""
     from actors.routing import EngineReplica, router_config
 
     bundles = [
@@ -229,6 +231,7 @@ def serve_app(
     ingress: Any = serve.deployment(
         OpenAIIngress,
         name="hicache-openai",
+        num_replicas=ingresses,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=ongoing * replicas,
     )
@@ -240,10 +243,15 @@ def build_app(args: dict[str, str]) -> Any:
     ``hicache-ray serve``): ``model`` (a preset or a checkpoint directory), ``tp``, ``pp``,
     ``storage`` (``ray``, ``file`` or ``none``), ``storage_root``, ``store``,
     ``device_tokens``, ``page_size``, ``served_name``, ``keep_store``, ``max_queued``,
-    ``replicas``, ``router``, ``route_weights``."""
-    from hicache_ray.serve_options import serve_deployment_config, serve_replicas
+    ``replicas``, ``router``, ``ingresses``, ``route_weights``."""
+    from hicache_ray.serve_options import (
+        serve_deployment_config,
+        serve_ingresses,
+        serve_replicas,
+    )
 
     keep = args.get("keep_store", "false").lower() in ("1", "true", "yes")
     replicas, router, weights = serve_replicas(args)
     config = serve_deployment_config(args)
-    return serve_app(config, args.get("served_name", ""), keep, replicas, router, weights)
+    served = args.get("served_name", "")
+    return serve_app(config, served, keep, replicas, router, weights, serve_ingresses(args))

@@ -19,7 +19,14 @@ from hicache_ray.errors import ConfigError
 if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
     from hicache_ray.spec import DeploymentConfig
 
-__all__ = ["ROUTERS", "ROUTE_WEIGHTS", "SERVE_OPTIONS", "serve_deployment_config", "serve_replicas"]
+__all__ = [
+    "ROUTERS",
+    "ROUTE_WEIGHTS",
+    "SERVE_OPTIONS",
+    "serve_deployment_config",
+    "serve_ingresses",
+    "serve_replicas",
+]
 
 # ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``: option -> (default,
 # help); values arrive as strings and are checked by ``serve_deployment_config``.
@@ -41,6 +48,11 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
         "cache",
         "how the ingress picks a replica (replicas > 1): cache (what their caches hold), "
         "prefix (Ray's PrefixCacheAffinityRouter) or pow2 (power of two choices)",
+    ),
+    "ingresses": (
+        "1",
+        "HTTP ingress replicas in front of the engine replicas (replicas > 1); each routes "
+        "with its own router instance, as several gateways would",
     ),
     "route_weights": (
         "",
@@ -106,6 +118,14 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
         cpus_per_rank=float(_number("cpus_per_rank", opts["cpus_per_rank"], float)),
         gpus_per_rank=int(_number("gpus_per_rank", opts["gpus_per_rank"], int)),
     )
+
+
+def serve_ingresses(args: dict[str, str]) -> int:
+    """The number of HTTP ingress replicas of the serve options ``args``."""
+    ingresses = int(_number("ingresses", args.get("ingresses", "1"), int))
+    if not 1 <= ingresses <= 64:
+        raise ConfigError("ingresses", ingresses, "out of range", "give 1 to 64 ingresses")
+    return ingresses
 
 
 def serve_replicas(args: dict[str, str]) -> tuple[int, str, dict[str, float]]:

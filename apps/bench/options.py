@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from apps.cli_args import MODEL_PRESETS, csv_of, flag, positive_float, positive_int
 from hicache_ray.serve_options import ROUTERS
 
-__all__ = ["FAULT_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
+__all__ = ["FAULT_SCENARIOS", "ROUTE_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
+
+# The scenarios of ``bench route`` (apps.bench.route_bench runs them).
+ROUTE_SCENARIOS = ("base", "ingresses", "restart", "pressure")
 
 # The scenarios of ``bench faults`` (apps.bench.faults_bench runs them).
 FAULT_SCENARIOS = (
@@ -79,6 +82,10 @@ class RouteOptions:
         default=ROUTERS,
         metadata=flag("routers", "a subset, A,B", type=csv_of(ROUTERS), metavar="A,B"),
     )
+    scenarios: tuple[str, ...] = field(
+        default=ROUTE_SCENARIOS,
+        metadata=flag("scenarios", "a subset, A,B", type=csv_of(ROUTE_SCENARIOS), metavar="A,B"),
+    )
     replicas: tuple[int, ...] = (2, 3)
     model: str = field(
         default="bench", metadata=flag("model", "reference model preset", choices=MODEL_PRESETS)
@@ -90,6 +97,7 @@ class RouteOptions:
         default=4, metadata=flag("clients", "concurrent clients, closed loop", type=positive_int)
     )
     rounds: int = field(default=4, metadata=flag("rounds", "turns each", type=positive_int))
+    pressure_conversations: int = 22  # the pressure scenario's: near the cluster's L1 + L2
     system_len: int = 384  # the first turn's prompt, unique per conversation
     user_len: int = 32
     answer_len: int = 8
@@ -102,7 +110,9 @@ class RouteOptions:
         return cls(
             replicas=(2,),
             model="tiny4",
+            scenarios=("base", "restart"),
             conversations=6,
+            pressure_conversations=8,
             clients=3,
             rounds=2,
             system_len=64,

@@ -1,5 +1,6 @@
-"""``bench route --quick``: two replicas behind each router, every figure written, no
-request failed (which router wins is for the full benchmark to say, not a smoke test)."""
+"""``bench route --quick``: two replicas behind each router, in the base scenario and with
+one replica restarted mid-run, every figure written, no request failed (which router wins
+is for the full benchmark to say, not a smoke test)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     assert by_name["route.cache_vs_prefix.hit_tokens"].target == 1.1
     assert by_name["route.cache_vs_pow2.ttft_p50"].target == 0.7
     assert by_name["route.r2.cache.hit_tokens"].value > 0  # later turns found their history
+    for router in ("cache", "prefix", "pow2"):  # a replica killed between rounds: no turn cut
+        assert by_name[f"route.r2.restart.{router}.failed"].value == 0
+        assert by_name[f"route.r2.restart.{router}.requests_per_s"].value > 0
+        assert 0 <= by_name[f"route.r2.{router}.misrouted_share"].value <= 1
+    assert by_name["route.restart.cache_vs_pow2.hit_tokens"].target is None  # per scenario
     for router in ("cache", "prefix", "pow2"):  # the tiers add up to the cached tokens
         tiers = sum(by_name[f"route.r2.{router}.hit_tokens.{t}"].value for t in ("l1", "l2", "l3"))
         assert tiers == by_name[f"route.r2.{router}.hit_tokens"].value

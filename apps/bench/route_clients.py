@@ -1,0 +1,178 @@
+"""The clients of ``bench route``: multi-turn conversations through the OpenAI endpoint,
+closed loop, and what each turn shows of the routing (what it was served from cache, and
+whether a replica held more of its prompt than the one it reached).
+
+The truth a turn is judged against is the application's cache index (every replica's L1
+and L2 pages from its own events, :mod:`actors.routing`), asked just before the turn is
+sent; every router's replicas publish to it, so all routers are judged alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from apps.bench.options import RouteOptions
+from apps.bench.serve_http_bench import openai_client
+from apps.bench.workload import random_tokens
+from hicache_ray.keys import page_hashes
+
+__all__ = ["RouteRun", "Scenario", "converse", "restart_one_engine"]
+
+SERVED = "bench"
+TIERS = ("l1", "l2", "l3")  # usage.prompt_tokens_details.hicache
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One way of running the conversations.
+
+    Attributes:
+        name: ``base``, ``ingresses``, ``restart`` or ``pressure``.
+        conversations: how many (0: the options' number).
+        ingresses: HTTP ingress replicas, each routing with its own router instance.
+        restart_after: rounds after which one engine replica is killed and replaced, its
+            caches lost (0: never); the clients pause at that round's end, so no turn is
+            cut.
+    """
+
+    name: str
+    conversations: int = 0
+    ingresses: int = 1
+    restart_after: int = 0
+
+
+@dataclass
+class RouteRun:
+    """What the clients saw behind one router in one scenario."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    tiers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    failed: int = 0
+    judged: int = 0  # turns whose best replica the index could tell
+    misrouted: int = 0  # of those, turns served less of their prefix than the best held
+    wall_s: float = 0.0
+
+
+class _Truth:
+    """The index's answer to: how many leading prompt tokens does the best replica hold?"""
+
+    def __init__(self, app: str, page_size: int) -> None:
+        self._name, self._page_size = f"hicache-index-{app}", page_size
+        self._index: Any = None
+
+    async def best(self, prompt: list[int]) -> int | None:
+        """Tokens the best replica could serve from L1 + L2 (the last prompt token is
+        always computed); None when the index cannot tell."""
+        try:
+            if self._index is None:
+                self._index = ray.get_actor(self._name, namespace="hicache")
+            replicas = await self._index.replicas.remote()
+            hits = await self._index.hits.remote(replicas, page_hashes(prompt, self._page_size))
+        except Exception:  # restarting with its maker: asked for again next turn
+            self._index = None
+            return None
+        pages = max((h.device + h.host for h in hits.values()), default=0)
+        return min(pages * self._page_size, (len(prompt) - 1) // self._page_size * self._page_size)
+
+
+async def _turn(
+    client: Any, prompt: list[int], max_new: int, run: RouteRun
+) -> tuple[int, list[int]]:
+    """One streamed turn: the L1 + L2 tokens it was served from cache and its answer's
+    token ids (empty when it failed)."""
+    text, start, ttft, served = "", time.perf_counter(), None, 0
+    try:
+        stream = await client.completions.create(
+            model=SERVED,
+            prompt=" ".join(map(str, prompt)),  # text, which Ray's prefix router reads
+            max_tokens=max_new,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            piece = "".join(c.text for c in chunk.choices)
+            if piece and ttft is None:
+                ttft = time.perf_counter() - start
+            text += piece
+            if chunk.usage is not None:
+                run.prompt_tokens += chunk.usage.prompt_tokens
+                details = chunk.usage.prompt_tokens_details
+                run.cached_tokens += (details.cached_tokens or 0) if details else 0
+                tiers = (details.model_extra or {}).get("hicache", {}) if details else {}
+                for tier in TIERS:
+                    run.tiers[tier] += int(tiers.get(tier, 0))
+                served = int(tiers.get("l1", 0)) + int(tiers.get("l2", 0))
+    except Exception:
+        run.failed += 1
+        return 0, []
+    run.ttft_s.append(ttft if ttft is not None else time.perf_counter() - start)
+    return served, [int(t) for t in text.split()]
+
+
+async def converse(
+    url: str, opts: RouteOptions, scenario: Scenario, app: str, vocab: int, restart: Any
+) -> RouteRun:
+    """Every conversation of ``scenario``, turn by turn, ``opts.clients`` at a time;
+    ``restart()`` (a blocking call, run off the event loop) at ``restart_after``."""
+    run, truth = RouteRun(), _Truth(app, opts.page_size)
+    count = scenario.conversations or opts.conversations
+    history = [random_tokens(vocab, opts.system_len, 1000 + c) for c in range(count)]
+    async with openai_client(url) as client:
+
+        async def client_loop(k: int, rounds: range) -> None:
+            for round_ in rounds:
+                for c in range(k, count, opts.clients):
+                    user = random_tokens(vocab, opts.user_len, 10_000 * (round_ + 1) + c)
+                    prompt = history[c] + user
+                    best = await truth.best(prompt)
+                    served, answer = await _turn(client, prompt, opts.answer_len, run)
+                    history[c] = prompt + answer
+                    if best is not None and answer:
+                        run.judged += 1
+                        run.misrouted += served < best
+
+        cut = scenario.restart_after or opts.rounds
+        started = time.perf_counter()
+        for rounds in (range(cut), range(cut, opts.rounds)):
+            if rounds.start and rounds:
+                await asyncio.to_thread(restart)
+            await asyncio.gather(*(client_loop(k, rounds) for k in range(opts.clients)))
+        run.wall_s = time.perf_counter() - started
+    return run
+
+
+def _engines() -> list[str]:
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == "serve" and "hicache-engine" in a["name"]
+    )
+
+
+def restart_one_engine(app: str, replicas: int, timeout_s: float = 300.0) -> None:
+    """Kill one engine replica of Serve application ``app`` and wait until Serve has
+    replaced it (``replicas`` running again, the new one's deployment up)."""
+    from ray import serve
+
+    before = _engines()
+    ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        engine = status.deployments.get("hicache-engine") if status else None
+        now = _engines()
+        states = {
+            str(getattr(k, "value", k)): n
+            for k, n in (engine.replica_states if engine else {}).items()
+        }
+        if states == {"RUNNING": replicas} and before[0] not in now:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"Serve did not replace the killed engine replica in {timeout_s:.0f} s")
