@@ -10,8 +10,9 @@ engines through a Serve handle whose request router picks the replica:
   cache_index.CacheIndex`); the router hashes the call's prompt pages and ranks the
   replicas by the prefill each saves (L1 over L2) against its load
   (:func:`~hicache_ray.cache_index.rank_replicas`, weights in :class:`~hicache_ray.
-  cache_index.RouteWeights`). No usable information (nothing cached, the index not
-  answering in time): power of two choices. A replica that is down is no candidate, and
+  cache_index.RouteWeights`); a prompt no replica holds a page of goes where the caches
+  have most room. No usable information (caches alike, the index not answering in time):
+  power of two choices. A replica that is down is no candidate, and
   one at capacity is skipped by Serve's probe, whatever it holds.
 * ``prefix``: Ray's ``PrefixCacheAffinityRouter`` as Ray ships it (it guesses from the
   prompt text it routed; the calls carry ``prompt`` or ``messages`` for it).
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 PUBLISH_EVERY_S = 0.02  # how often a replica sends its new cache events to the index
 INDEX_WAIT_S = 0.1  # a routing decision waits this long for the index, then goes pow2
+SILENT_S = 30.0  # a replica that has not published for this long is gone from the index
 _NAMESPACE = "hicache"
 
 
@@ -60,6 +62,7 @@ class IndexActor:
 
         self.index = CacheIndex()
         self._app = app
+        self._seen: dict[str, float] = {}  # replica -> when it last asked its position
         self._pages = Gauge(
             "hicache_route_index_pages",
             description="page entries the cache router's index holds (every replica, tier)",
@@ -77,6 +80,15 @@ class IndexActor:
         self._lag.set(lag, tags={"app": self._app, "replica": replica})
 
     def position(self, replica: str) -> tuple[str, int]:
+        """Where ``replica``'s journal stands here; the publisher asks every round, so this
+        is its heartbeat: a replica silent for ``SILENT_S`` (killed without a goodbye) is
+        forgotten, its pages with it."""
+        now = time.monotonic()
+        self._seen[replica] = now
+        for other, seen in list(self._seen.items()):
+            if now - seen > SILENT_S:
+                del self._seen[other]
+                self.index.remove(other)
         return self.index.position(replica)
 
     def apply(self, replica: str, batches: list[EventBatch]) -> bool:
@@ -90,10 +102,17 @@ class IndexActor:
         self._observe(replica)
 
     def remove(self, replica: str) -> None:
+        self._seen.pop(replica, None)
         self.index.remove(replica)
 
     def hits(self, replicas: list[str], hashes: list[str]) -> dict[str, Hits]:
         return {r: self.index.hits(r, hashes) for r in replicas}
+
+    def facts(
+        self, replicas: list[str], hashes: list[str]
+    ) -> tuple[dict[str, Hits], dict[str, int]]:
+        """What each replica holds of the prompt, and how many pages it holds in all."""
+        return self.hits(replicas, hashes), {r: self.index.held(r) for r in replicas}
 
     def size(self) -> int:
         return self.index.size
@@ -178,7 +197,7 @@ class CacheAwareRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """``app`` (the index's name), ``page_size``, ``salt`` (the L3 keys' tenant salt),
-        the :class:`RouteWeights` ``l1``, ``l2``, ``queued``, and ``wait_s``: how long a
+        the :class:`RouteWeights` ``l1``, ``l2``, ``queued``, ``room``, and ``wait_s``: how long a
         decision waits for the index before it routes by power of two choices."""
         self._app = str(kwargs.get("app", ""))
         self._page_size = int(kwargs.get("page_size", 0))
@@ -188,6 +207,7 @@ class CacheAwareRouter(RequestRouter):
             l1=float(kwargs.get("l1", defaults.l1)),
             l2=float(kwargs.get("l2", defaults.l2)),
             queued=float(kwargs.get("queued", defaults.queued)),
+            room=float(kwargs.get("room", defaults.room)),
         )
         self._wait_s = float(kwargs.get("wait_s", INDEX_WAIT_S))
         self._index: Any = None
@@ -216,8 +236,8 @@ class CacheAwareRouter(RequestRouter):
         try:
             if self._index is None:
                 self._index = index_actor(self._app)
-            ref = self._index.hits.remote(list(by_id), hashes)
-            hits = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._wait_s)
+            ref = self._index.facts.remote(list(by_id), hashes)
+            hits, held = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._wait_s)
         except ray.exceptions.ActorDiedError as exc:  # its maker went: asked for again
             log.debug("cache index gone: %s", exc)
             self._index = None
@@ -228,7 +248,7 @@ class CacheAwareRouter(RequestRouter):
         queued = {
             rid: self._replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()
         }
-        order = rank_replicas(list(by_id), hits, queued, self._page_size, self._weights)
+        order = rank_replicas(list(by_id), hits, queued, self._page_size, self._weights, held)
         return None if order is None else [by_id[rid] for rid in order]
 
 

@@ -96,6 +96,11 @@ class CacheIndex:
         """Forget ``replica`` (gone from the application)."""
         self._replicas.pop(replica, None)
 
+    def held(self, replica: str) -> int:
+        """Pages ``replica`` holds in L1 or L2."""
+        r = self._replicas.get(replica)
+        return 0 if r is None else len(r.pages[_L1] | r.pages[_L2])
+
     def hits(self, replica: str, hashes: Sequence[str]) -> Hits:
         """What ``replica`` holds of the prompt whose page hashes are ``hashes``."""
         r = self._replicas.get(replica)
@@ -130,11 +135,14 @@ class RouteWeights:
         l1: worth of a prompt token cached in the replica's L1.
         l2: worth of one cached in its L2 only (it is copied to L1 first).
         queued: cost of one request waiting or running there (its share of the batch).
+        room: cost of one token the replica caches already, for a prompt of which no
+            replica caches a page: new prefixes go where the caches have most room.
     """
 
     l1: float = 1.0
     l2: float = 0.8
     queued: float = 64.0
+    room: float = 0.25
 
 
 def rank_replicas(
@@ -143,12 +151,22 @@ def rank_replicas(
     queued: Mapping[str, int],
     page_size: int,
     weights: RouteWeights = RouteWeights(),
+    held: Mapping[str, int] | None = None,
 ) -> list[str] | None:
     """``replicas`` best first: the prefill each saves (L1 pages worth more than L2 pages)
-    minus its load; None when none holds a page of the prompt (no usable information).
-    L3 pages are left out: every replica reads the same store."""
+    minus its load. When none holds a page of the prompt: the room each has (``held``:
+    the pages each caches) minus its load; None when that tells them apart neither (no
+    usable information). L3 pages are left out: every replica reads the same store."""
     if not any(hits.get(r, Hits()).device or hits.get(r, Hits()).host for r in replicas):
-        return None
+        sizes = held or {}
+        if len({sizes.get(r, 0) for r in replicas}) < 2:
+            return None
+
+        def room(replica: str) -> float:
+            full = weights.room * sizes.get(replica, 0) * page_size
+            return -full - weights.queued * queued.get(replica, 0)
+
+        return sorted(replicas, key=room, reverse=True)
 
     def score(replica: str) -> float:
         h = hits.get(replica, Hits())

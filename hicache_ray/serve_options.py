@@ -56,12 +56,13 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
     ),
     "route_weights": (
         "",
-        "the cache router's weights, e.g. l1=1,l2=0.8,queued=64,wait_s=0.1 (prompt tokens "
-        "an L1 / L2 page token saves, what a queued request costs, the index's answer time)",
+        "the cache router's weights, e.g. l1=1,l2=0.8,queued=64,room=0.25,wait_s=0.1 (prompt "
+        "tokens an L1 / L2 page token saves, what a queued request costs, what a cached "
+        "token costs a new prefix, the index's answer time)",
     ),
 }
 ROUTERS = ("cache", "prefix", "pow2")
-ROUTE_WEIGHTS = ("l1", "l2", "queued", "wait_s")
+ROUTE_WEIGHTS = ("l1", "l2", "queued", "room", "wait_s")
 
 
 def _number(name: str, value: str, kind: type[int] | type[float]) -> float:

@@ -73,8 +73,8 @@ class _Truth:
         try:
             if self._index is None:
                 self._index = ray.get_actor(self._name, namespace="hicache")
-            replicas = await self._index.replicas.remote()
-            hits = await self._index.hits.remote(replicas, page_hashes(prompt, self._page_size))
+            live = await asyncio.to_thread(_live_replicas)  # not a killed one's leftovers
+            hits = await self._index.hits.remote(live, page_hashes(prompt, self._page_size))
         except Exception:  # restarting with its maker: asked for again next turn
             self._index = None
             return None
@@ -149,11 +149,17 @@ async def converse(
 
 
 def _engines() -> list[str]:
+    """The actor names of the live engine replicas (``SERVE_REPLICA::app#deployment#id``)."""
     return sorted(
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a.get("namespace") == "serve" and "hicache-engine" in a["name"]
     )
+
+
+def _live_replicas() -> list[str]:
+    """The replica ids (as the index knows them) of the live engine replicas."""
+    return [name.rsplit("#", 1)[-1] for name in _engines()]
 
 
 def restart_one_engine(app: str, replicas: int, timeout_s: float = 300.0) -> None:

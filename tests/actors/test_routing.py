@@ -38,6 +38,19 @@ def test_replicas_rank_by_saved_prefill_against_load() -> None:
     assert rank_replicas(["x"], {}, {}, PAGE) is None  # an unknown replica: no information
 
 
+def test_a_prefix_no_replica_holds_goes_where_the_caches_have_room() -> None:
+    none = {"a": Hits(), "b": Hits(), "c": Hits()}
+    held = {"a": 900, "b": 100, "c": 500}  # pages cached in all
+    assert rank_replicas(["a", "b", "c"], none, {}, PAGE, held=held) == ["b", "c", "a"]
+    # 400 more pages (1600 tokens, 400 at 0.25 each) weigh more than six queued requests
+    # (384), less than seven (448)
+    assert rank_replicas(["b", "c"], none, {"b": 6}, PAGE, held=held) == ["b", "c"]
+    assert rank_replicas(["b", "c"], none, {"b": 7}, PAGE, held=held) == ["c", "b"]
+    alike = {"a": 300, "b": 300}
+    assert rank_replicas(["a", "b"], none, {}, PAGE, held=alike) is None  # pow2
+    assert rank_replicas(["a", "b"], {"a": Hits(host=1)}, {}, PAGE, held=held) == ["a", "b"]
+
+
 def test_bad_replica_options_are_refused() -> None:
     assert serve_replicas({}) == (1, "cache", {})
     weights = {"route_weights": "l1=2, queued=10"}
@@ -51,6 +64,7 @@ def test_bad_replica_options_are_refused() -> None:
         {"replicas": "two"},
         {"router": "random"},
         {"route_weights": "l3=1"},
+        {"route_weights": "room=-0.1"},
         {"route_weights": "l1=-1"},
         {"route_weights": "l1=x"},
     ]
@@ -168,3 +182,26 @@ def _holders(index: Any, turns: list[list[int]]) -> dict[int, str]:
         if full:
             out[c] = full[0]
     return out
+
+
+def test_a_replica_silent_for_long_is_forgotten_by_the_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica killed without a goodbye stops asking its position (the publisher's
+    heartbeat); after ``SILENT_S`` its pages leave the index."""
+    from actors.routing import SILENT_S, IndexActor
+    from hicache_ray.events import BlockStored, EventBatch, KVEventBatch
+
+    now = [100.0]
+    monkeypatch.setattr("actors.routing.time.monotonic", lambda: now[0])
+    index = IndexActor("silent")
+    for replica in ("a", "b"):
+        stored = BlockStored([f"{replica}-page"], None, [1, 2, 3, 4], PAGE, medium="GPU")
+        index.reset(replica, EventBatch("e", 1, KVEventBatch(0.0, [stored])))
+        assert index.position(replica) == ("e", 1)
+    now[0] += SILENT_S / 2
+    index.position("a")
+    assert index.size() == 2
+    now[0] += SILENT_S / 2 + 1  # b silent for longer than SILENT_S, a not
+    index.position("a")
+    assert index.replicas() == ["a"] and index.size() == 1

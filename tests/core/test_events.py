@@ -160,6 +160,7 @@ def test_hits_count_leading_pages_per_tier() -> None:
     assert index.hits("r", hashes) == Hits(device=4, host=2)
     assert index.hits("r", page_hashes(_FAMILIES[1], PAGE, salt=SALT)) == Hits()
     assert index.hits("other", hashes) == Hits() and index.size == 6
+    assert index.held("r") == 6 and index.held("other") == 0  # L1 or L2, each page once
 
 
 def test_the_records_are_vllm_kv_events() -> None:
