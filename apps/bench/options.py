@@ -76,7 +76,10 @@ class SoakOptions:
 class RouteOptions:
     """What ``bench route`` runs: multi-turn conversations through the OpenAI endpoint of
     N replicas, once per router; the conversations' working set exceeds one replica's
-    L1 + L2 but not the cluster's."""
+    L1 + L2 but not the cluster's. A replica caches ``2 * device_tokens`` (its L2, which
+    holds a copy of every L1 page: write-through): 4,096 tokens by default, and the
+    conversations end at 536 tokens each (12 of them: 6,432; the pressure scenario's 15:
+    8,040, near the 8,192 of two replicas)."""
 
     routers: tuple[str, ...] = field(
         default=ROUTERS,
@@ -91,13 +94,13 @@ class RouteOptions:
         default="bench", metadata=flag("model", "reference model preset", choices=MODEL_PRESETS)
     )
     conversations: int = field(
-        default=16, metadata=flag("conversations", "conversations", type=positive_int)
+        default=12, metadata=flag("conversations", "conversations", type=positive_int)
     )
     clients: int = field(
         default=4, metadata=flag("clients", "concurrent clients, closed loop", type=positive_int)
     )
     rounds: int = field(default=4, metadata=flag("rounds", "turns each", type=positive_int))
-    pressure_conversations: int = 22  # the pressure scenario's: near the cluster's L1 + L2
+    pressure_conversations: int = 15  # the pressure scenario's: near the cluster's L1 + L2
     system_len: int = 384  # the first turn's prompt, unique per conversation
     user_len: int = 32
     answer_len: int = 8
