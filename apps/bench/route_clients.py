@@ -178,7 +178,10 @@ def restart_one_engine(app: str, replicas: int, timeout_s: float = 300.0) -> Non
             str(getattr(k, "value", k)): n
             for k, n in (engine.replica_states if engine else {}).items()
         }
-        if states == {"RUNNING": replicas} and before[0] not in now:
+        # NOTE: right after the kill Serve may still count the dead replica as running:
+        # done only once a new replica is there and running.
+        replaced = set(now) - set(before)
+        if states == {"RUNNING": replicas} and before[0] not in now and replaced:
             return
         time.sleep(0.5)
     raise TimeoutError(f"Serve did not replace the killed engine replica in {timeout_s:.0f} s")
