@@ -111,8 +111,12 @@ class IndexActor:
     def facts(
         self, replicas: list[str], hashes: list[str]
     ) -> tuple[dict[str, Hits], dict[str, int]]:
-        """What each replica holds of the prompt, and how many pages it holds in all."""
-        return self.hits(replicas, hashes), {r: self.index.held(r) for r in replicas}
+        """What each replica holds of the prompt, and, when none holds a page of it, how
+        many pages each holds in all (what a new prefix is placed by)."""
+        hits = self.hits(replicas, hashes)
+        if any(h.device or h.host for h in hits.values()):
+            return hits, {}
+        return hits, {r: self.index.held(r) for r in replicas}
 
     def size(self) -> int:
         return self.index.size

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from concurrent.futures import Future
-from typing import overload
+from typing import Any, overload
 
 import msgspec
 import numpy as np
@@ -237,17 +236,17 @@ def tensor_problem(
 HeaderArgs = tuple[str, str, torch.Tensor, memoryview, "str | None"]
 
 
-class LazyHeaders(Sequence[bytes]):
-    """Headers made on the writing thread when the store first asks for each (as it
-    assembles the object holding the page), so the payload is hashed just before the write
-    copies it, while its bytes are still in cache. ``args``: :func:`encode_header`'s."""
+class _Headers(Sequence[bytes]):
+    """Headers a store reads one by one as it writes; a slice is another of the kind."""
 
-    def __init__(self, args: Sequence[HeaderArgs]) -> None:
-        self._args = args
-        self._made: dict[int, bytes] = {}
+    def __init__(self, items: Sequence[Any]) -> None:
+        self._items = items
 
     def __len__(self) -> int:
-        return len(self._args)
+        return len(self._items)
+
+    def _header(self, i: int) -> bytes:
+        raise NotImplementedError
 
     @overload
     def __getitem__(self, i: int) -> bytes: ...
@@ -255,33 +254,35 @@ class LazyHeaders(Sequence[bytes]):
     def __getitem__(self, i: slice) -> Sequence[bytes]: ...
     def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
         if isinstance(i, slice):
-            return LazyHeaders(self._args[i])
+            return type(self)(self._items[i])
+        return self._header(i)
+
+
+class LazyHeaders(_Headers):
+    """Headers made on the writing thread when the store first asks for each (as it
+    assembles the object holding the page), so the payload is hashed just before the write
+    copies it, while its bytes are still in cache. Items: :func:`encode_header`'s args."""
+
+    def __init__(self, items: Sequence[HeaderArgs]) -> None:
+        super().__init__(items)
+        self._made: dict[int, bytes] = {}
+
+    def _header(self, i: int) -> bytes:
         made = self._made.get(i)
         if made is None:
-            made = self._made[i] = encode_header(*self._args[i])
+            made = self._made[i] = encode_header(*self._items[i])
         return made
 
 
-class FutureHeaders(Sequence[bytes]):
+class FutureHeaders(_Headers):
     """Headers made on a helper thread, waited for one by one as the store writes them,
-    so hashing page i + 1 overlaps writing page i."""
+    so hashing page i + 1 overlaps writing page i. Items: their futures."""
 
-    def __init__(self, futures: list[Future[bytes]]) -> None:
-        self._futures = futures
-
-    def __len__(self) -> int:
-        return len(self._futures)
+    def _header(self, i: int) -> bytes:
+        result: bytes = self._items[i].result()
+        return result
 
     def cancel(self) -> None:
         """Drop the headers not started yet (the write ended before needing them)."""
-        for future in self._futures:
+        for future in self._items:
             future.cancel()
-
-    @overload
-    def __getitem__(self, i: int) -> bytes: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
-    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
-        if isinstance(i, slice):
-            return FutureHeaders(self._futures[i])
-        return self._futures[i].result()

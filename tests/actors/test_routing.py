@@ -19,7 +19,7 @@ import pytest
 from hicache_ray.cache_index import Hits, RouteWeights, rank_replicas
 from hicache_ray.errors import ConfigError
 from hicache_ray.keys import page_hashes
-from hicache_ray.serve_options import serve_replicas
+from hicache_ray.serve_options import serve_ingresses, serve_replicas
 from tests.helpers import ensure_local_ray, wait_until
 
 ray = pytest.importorskip("ray")
@@ -71,6 +71,10 @@ def test_bad_replica_options_are_refused() -> None:
     for bad in bad_options:
         with pytest.raises(ConfigError, match=r"replicas|router|route_weights"):
             serve_replicas(bad)
+    assert serve_ingresses({}) == 1 and serve_ingresses({"ingresses": "3"}) == 3
+    for count in ("0", "65", "two"):
+        with pytest.raises(ConfigError, match="ingresses"):
+            serve_ingresses({"ingresses": count})
 
 
 def _free_port() -> int:

@@ -13,19 +13,16 @@ from hicache_ray.integrations.vllm_blocks import LayerByLayer
 from hicache_ray.integrations.vllm_pages import PageJob
 from hicache_ray.keys import page_hashes
 from hicache_ray.storage import FaultyObjects, MemoryObjects
-from tests.core.vllm_kit import LAYERS, PAGE, backend_of, cpu_caches, mover_of, plan_of, stack
-
-
-class _Gated(MemoryObjects):
-    """A store whose reads wait until released (a slow store, without sleeping)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    def read_many(self, *args: Any, **kw: Any) -> Any:
-        self.release.wait(30)
-        return super().read_many(*args, **kw)
+from tests.core.vllm_kit import (
+    LAYERS,
+    PAGE,
+    Gated,
+    backend_of,
+    cpu_caches,
+    mover_of,
+    plan_of,
+    stack,
+)
 
 
 def _saved(objects: Any, seed: int, pages: int) -> tuple[Any, list[str]]:
@@ -38,7 +35,7 @@ def _saved(objects: Any, seed: int, pages: int) -> tuple[Any, list[str]]:
 
 
 def test_each_layer_is_placed_before_its_wait_returns() -> None:
-    objects = _Gated()
+    objects = Gated("read")
     objects.release.set()
     writer, first = _saved(objects, 1, 2)
     _, second = _saved(objects, 2, 1)

@@ -3,7 +3,6 @@ layout mapping, round trips and failures, and the options (vLLM itself: tests/vl
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.core.vllm_kit import (
     LAYERS,
     MODEL,
     PAGE,
+    Gated,
     backend_of,
     cpu_caches,
     mover_of,
@@ -144,20 +144,8 @@ def test_a_dead_store_is_a_miss_and_a_failed_save_is_counted() -> None:
     assert mover.counts.save_dropped_tokens == 2 * PAGE
 
 
-class _Blocking(MemoryObjects):
-    """A store whose writes wait until released (a slow store, without sleeping)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    def write_many(self, *args: Any, **kw: Any) -> Any:
-        self.release.wait(30)
-        return super().write_many(*args, **kw)
-
-
 def test_saves_beyond_the_queue_are_dropped_not_waited_for() -> None:
-    plan, slow = plan_of(), _Blocking()
+    plan, slow = plan_of(), Gated("write")
     mover = mover_of(cpu_caches(7), plan, backend_of(plan, slow), max_pending_saves=1)
     first, second = (page_hashes([i] * PAGE, PAGE) for i in range(2))
     pending = mover.save(PageJob("a", first, [0]))

@@ -3,6 +3,7 @@ and block movers over them."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -42,3 +43,22 @@ def stack(mover: BlockMover, layer: int, blocks: Any) -> torch.Tensor:
 
 def mover_of(caches: list[torch.Tensor], plan: ShardPlan, backend: Any, **kw: Any) -> BlockMover:
     return BlockMover(caches, "cpu_vec", plan, backend, **kw)
+
+
+class Gated(MemoryObjects):
+    """A store whose reads or writes (``gate``) wait until released (a slow store, without
+    sleeping)."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__()
+        self.gate, self.release = gate, threading.Event()
+
+    def read_many(self, *args: Any, **kw: Any) -> Any:
+        if self.gate == "read":
+            self.release.wait(30)
+        return super().read_many(*args, **kw)
+
+    def write_many(self, *args: Any, **kw: Any) -> Any:
+        if self.gate == "write":
+            self.release.wait(30)
+        return super().write_many(*args, **kw)
