@@ -190,12 +190,18 @@ def _check_sizes(field: str, sizes: tuple[int, ...]) -> None:
         raise ConfigError(field, sizes, "lists a size twice", "list each size once")
 
 
+MAX_READ_THREADS = 64
+
+
 class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     """L3 settings: backend, key namespace, sharing and batching.
 
     Attributes:
         backend: registered backend name (``memory``, ``file``, ``ray``), or ``none``.
         batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch.
+        read_threads: threads (1 to 64) that read one prefetch batch, each a consecutive
+            share of its pages of at least 4 MiB (verifying a page as it is copied is one
+            core's work: one thread reads far below memory bandwidth).
         key_scheme: ``unified`` (SGLang's topology-free keys, shared across TP and PP
             sizes) or ``rank-suffix``.
         model_id: model name in the namespace; required with a backend (a deployment of a
@@ -221,6 +227,7 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     backend: str = "none"
     batch_size_pages: int = 128
+    read_threads: int = 2
     key_scheme: KeyScheme = "unified"
     model_id: str = ""
     model_revision: str = ""
@@ -236,6 +243,13 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         check_types(self)
         check_positive("storage_batch_size", self.batch_size_pages)
+        if not 1 <= self.read_threads <= MAX_READ_THREADS:
+            raise ConfigError(
+                "storage_read_threads",
+                self.read_threads,
+                f"outside [1, {MAX_READ_THREADS}]",
+                "use about the cores a rank may spend on L3 reads (2 is the default)",
+            )
         _check_sizes("share_tp", self.share_tp)
         _check_sizes("share_pp", self.share_pp)
         check_backend_name(self.backend)

@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Iterator
 
-from hicache_ray.controller.prefetch import STAGED_BATCH_PAGES
+from hicache_ray.controller.reads import STAGED_BATCH_PAGES
 from hicache_ray.keys import ShardPlan
 from hicache_ray.keys.plan import ObjectSpec
 from hicache_ray.memory import HostPool

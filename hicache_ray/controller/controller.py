@@ -124,7 +124,8 @@ class CacheController:
         self.backup: BackupPipeline | None = None
         if storage is not None and self.plan is not None:
             batch, host = config.storage.batch_size_pages, self.cache.host_pool
-            self.prefetch = PrefetchPipeline(storage, self.plan, host, batch)
+            threads = config.storage.read_threads
+            self.prefetch = PrefetchPipeline(storage, self.plan, host, batch, threads)
             self.backup = BackupPipeline(storage, self.plan, host, batch)
         salt = config.storage.tenant_salt
         self.acks = Acknowledger(self.cache, self.backup, salt, self.counters)

@@ -1,4 +1,4 @@
-"""The prefetch pipeline (L3 -> L2): a query thread and a read thread.
+"""The prefetch pipeline (L3 -> L2): a query thread and a read thread (:mod:`.reads`).
 
 The scheduler thread creates one :class:`FetchTask` per admitted request that has enough
 tokens past its L2 hit. The :class:`QueryWorker` hashes the request's whole pages and asks
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import torch
-
+from hicache_ray.controller.reads import ReadWorker
 from hicache_ray.keys import ShardPlan, page_hashes
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
@@ -30,8 +29,6 @@ from hicache_ray.workers import InboxWorker
 __all__ = ["FetchTask", "PrefetchPipeline"]
 
 log = logging.getLogger(__name__)
-
-STAGED_BATCH_PAGES = 8  # pages per read when objects go through staging buffers
 
 
 class FetchTask:
@@ -105,80 +102,19 @@ class QueryWorker(InboxWorker[FetchTask]):
         return found
 
 
-class ReadWorker(InboxWorker[FetchTask]):
-    """Reads and verifies pages into the host slots of each task, leading pages first."""
-
-    def __init__(self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch: int):
-        super().__init__("hicache-prefetch-read")
-        self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
-        self._staging: list[torch.Tensor] = []  # for objects not contiguous in the pool
-        self.progress: Callable[[], None] = _nothing  # see PrefetchPipeline.on_progress
-
-    def handle(self, task: FetchTask) -> None:
-        self._read(task)
-
-    def failed(self, task: FetchTask, exc: Exception) -> None:
-        log.warning("prefetch read failed: %s", exc)
-        task.failure = "read_failed"
-
-    def finished(self, task: FetchTask) -> None:
-        task.read_finished.set()
-        self.progress()
-
-    def _stage(self, spare: Iterator[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        """A staging buffer of ``shape``: reused across batches (fresh large buffers cost a
-        page fault per 4 KiB, several times the copy itself)."""
-        for buf in spare:
-            if tuple(buf.shape) == shape:
-                return buf
-        buf = torch.empty(shape, dtype=self._pool.kv.dtype)
-        self._staging.append(buf)
-        return buf
-
-    def _read(self, task: FetchTask) -> None:
-        objects = self._plan.objects
-        batch = self._batch
-        if task.host_pages and any(
-            self._pool.object_view(task.host_pages[0], o.local_layers, o.local_heads) is None
-            for o in objects
-        ):
-            batch = min(batch, STAGED_BATCH_PAGES)  # staging memory stays small and warm
-        for start in range(task.read_start, task.read_end, batch):
-            if task.cancelled:
-                return
-            end = min(start + batch, task.read_end)
-            keys: list[str] = []
-            buffers: list[torch.Tensor] = []
-            staged: list[tuple[int, int, int, torch.Tensor]] = []  # (page, slot, object, buf)
-            spare = iter(self._staging)
-            for page_index in range(start, end):
-                slot = task.host_pages[page_index - task.read_start]
-                keys.extend(self._plan.keys(task.hashes[page_index]))
-                for i, obj in enumerate(objects):
-                    view = self._pool.object_view(slot, obj.local_layers, obj.local_heads)
-                    if view is None:
-                        view = self._stage(spare, obj.shape)
-                        staged.append((page_index, slot, i, view))
-                    buffers.append(view)
-            done = self._storage.get(keys, buffers) // len(objects)
-            for page_index, slot, i, buf in staged:
-                if page_index < start + done:
-                    obj = objects[i]
-                    self._pool.write_object(slot, buf, obj.local_layers, obj.local_heads)
-            task.pages_read = start + done
-            if start + done < end:
-                task.failure = "read_failed"
-                return
-
-
 class PrefetchPipeline:
     """The query and read threads over one storage backend, started and stopped together."""
 
     def __init__(
-        self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch_pages: int
+        self,
+        storage: StorageBackend,
+        plan: ShardPlan,
+        host_pool: HostPool,
+        batch_pages: int,
+        read_threads: int = 1,
     ) -> None:
         self.query = QueryWorker(storage, plan, host_pool.kv.page_size, batch_pages)
-        self.read = ReadWorker(storage, plan, host_pool, batch_pages)
+        self.read = ReadWorker(storage, plan, host_pool, batch_pages, read_threads)
         self._closed = False
         self.query.start()
         self.read.start()

@@ -50,6 +50,8 @@ def test_bad_memory_config_names_field_and_fix(kwargs: dict[str, object], needle
         (PrefetchConfig, {"timeout_cap_s": 0.0}, "timeout_cap_s"),
         (PrefetchConfig, {"max_host_fraction": 1.5}, "max_host_fraction"),
         (StorageConfig, {"batch_size_pages": 0}, "storage_batch_size"),
+        (StorageConfig, {"read_threads": 0}, "storage_read_threads"),
+        (StorageConfig, {"read_threads": 65}, "storage_read_threads"),
         (StorageConfig, {"key_scheme": "flat"}, "key_scheme"),
     ],
 )
