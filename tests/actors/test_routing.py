@@ -164,6 +164,59 @@ def test_the_next_turn_reaches_the_replica_that_holds_its_history(
         assert _cached(answer) >= len(turns[c]) // PAGE * PAGE - PAGE, (c, answer["usage"])
 
 
+def _stream_lines(port: int, prompt: list[int], max_tokens: int) -> Iterator[str]:
+    """The ``data:`` payloads of one streamed completion, as they arrive."""
+    body = {"model": "tiny4", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                yield line.removeprefix("data: ")
+
+
+def _live_ranks() -> set[str]:
+    """The rank actors of this app's engine replicas now alive."""
+    prefix = f"hicache-openai-{os.getpid()}-"
+    return {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == "hicache" and a["name"].startswith(prefix)
+    }
+
+
+def test_a_stream_behind_the_ingress_survives_its_replicas_rank_killed(
+    ray_local: None, two_replicas: int
+) -> None:
+    """Both replicas' ranks die while a stream is decoding: the ingress's stream goes on
+    (its replica re-forms and replays it) and carries exactly the full answer."""
+    port, max_tokens = two_replicas, 400  # decoding outlasts the kill by seconds
+    prompt = [(11 * i) % 200 + 1 for i in range(6 * PAGE)]
+    expected = _complete(port, prompt, max_tokens)["choices"][0]["text"]
+    before = _live_ranks()
+    text, done, killed = "", False, False
+    for payload in _stream_lines(port, prompt, max_tokens):
+        if payload == "[DONE]":
+            done = True
+            break
+        chunk = json.loads(payload)
+        assert "error" not in chunk, chunk
+        text += "".join(c["text"] for c in chunk["choices"])
+        if text and not killed:
+            for name in before:
+                ray.kill(ray.get_actor(name, namespace="hicache"), no_restart=True)
+            killed = True
+    assert done and killed
+    assert text == expected
+    # Nothing else ran: new ranks mean the stream's replica re-formed while it streamed.
+    after = _live_ranks()
+    assert after and after.isdisjoint(before)
+
+
 def _forgot(index: Any, replica: str, turns: list[list[int]]) -> bool:
     """The index holds nothing of ``replica``'s old conversations (it re-formed)."""
     return all(
