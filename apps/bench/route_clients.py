@@ -10,6 +10,7 @@ sent; every router's replicas publish to it, so all routers are judged alike.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,31 +120,40 @@ async def _turn(
 async def converse(
     url: str, opts: RouteOptions, scenario: Scenario, app: str, vocab: int, restart: Any
 ) -> RouteRun:
-    """Every conversation of ``scenario``, turn by turn, ``opts.clients`` at a time;
-    ``restart()`` (a blocking call, run off the event loop) at ``restart_after``."""
+    """Every conversation of ``scenario``, a turn each per round, ``opts.clients`` at a
+    time in a seeded random order; ``restart()`` (a blocking call, run off the event loop)
+    before round ``restart_after``."""
     run, truth = RouteRun(), _Truth(app, opts.page_size)
     count = scenario.conversations or opts.conversations
     history = [random_tokens(vocab, opts.system_len, 1000 + c) for c in range(count)]
     async with openai_client(url) as client:
 
-        async def client_loop(k: int, rounds: range) -> None:
-            for round_ in rounds:
-                for c in range(k, count, opts.clients):
-                    user = random_tokens(vocab, opts.user_len, 10_000 * (round_ + 1) + c)
-                    prompt = history[c] + user
-                    best = await truth.best(prompt)
-                    served, answer = await _turn(client, prompt, opts.answer_len, run)
-                    history[c] = prompt + answer
-                    if best is not None and answer:
-                        run.judged += 1
-                        run.misrouted += served < best
+        async def turn(round_: int, c: int) -> None:
+            user = random_tokens(vocab, opts.user_len, 10_000 * (round_ + 1) + c)
+            prompt = history[c] + user
+            best = await truth.best(prompt)
+            served, answer = await _turn(client, prompt, opts.answer_len, run)
+            history[c] = prompt + answer
+            if best is not None and answer:
+                run.judged += 1
+                run.misrouted += served < best
+
+        async def client_loop(round_: int, order: list[int]) -> None:
+            while order:
+                await turn(round_, order.pop())
 
         cut = scenario.restart_after or opts.rounds
         started = time.perf_counter()
-        for rounds in (range(cut), range(cut, opts.rounds)):
-            if rounds.start and rounds:
+        for round_ in range(opts.rounds):
+            if round_ == cut:
                 await asyncio.to_thread(restart)
-            await asyncio.gather(*(client_loop(k, rounds) for k in range(opts.clients)))
+            # NOTE: each round's turns come in a seeded random order, taken by whichever
+            # client is free: a fixed rotation (client k, always the same conversations
+            # in the same order) locks the load pattern to the conversations, and power
+            # of two choices then keeps sending a conversation where it went before.
+            order = list(range(count))
+            random.Random(round_).shuffle(order)
+            await asyncio.gather(*(client_loop(round_, order) for _ in range(opts.clients)))
         run.wall_s = time.perf_counter() - started
     return run
 
