@@ -3,7 +3,8 @@
 For each scenario, replica count and router, a fresh ``hicache-ray serve --replicas N
 --router R`` app on 127.0.0.1 (TP=1 replicas, no L3: the hits counted are L1 + L2, the
 tiers a router can win; an L3 would serve every replica alike) gets the same multi-turn
-conversations, closed loop (:mod:`apps.bench.route_clients`). Every conversation starts
+conversations, closed loop, each round's turns in the same seeded random order
+(:mod:`apps.bench.route_clients`). Every conversation starts
 with its own ``system_len`` tokens, so the working set exceeds one replica's L1 + L2 but
 not the cluster's. The scenarios (``base`` at every replica count, the others at the
 first):
