@@ -17,9 +17,9 @@ worker will touch its slots again; slots freed before that wait behind it as a f
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
+from hicache_ray.controller.fetch_task import FetchTask
 from hicache_ray.controller.reads import ReadWorker
 from hicache_ray.keys import ShardPlan, page_hashes
 from hicache_ray.memory import HostPool
@@ -29,37 +29,6 @@ from hicache_ray.workers import InboxWorker
 __all__ = ["FetchTask", "PrefetchPipeline"]
 
 log = logging.getLogger(__name__)
-
-
-class FetchTask:
-    """One request's L3 work on this rank; page numbers count from the prompt's start.
-
-    Set by the scheduler thread: ``host_pages`` for pages ``[read_start, read_end)``.
-    Set by the workers: ``hashes``, ``local_total`` (-1 until the query finished),
-    ``pages_read`` (leading pages valid in L2, from ``read_start``), ``read_finished``,
-    ``failure`` (why reading stopped early).
-    """
-
-    def __init__(self, key: bytes, num_pages: int, start_page: int, salt: str) -> None:
-        self.key = key
-        self.num_pages = num_pages
-        self.start_page = start_page  # pages already in L1/L2 here at admission
-        self.salt = salt
-        self.hashes: list[str] = []
-        self.local_total = -1
-        self.host_pages: list[int] = []
-        self.read_start = self.read_end = start_page
-        self.pages_read = start_page
-        self.read_started = False
-        self.cancelled = False
-        self.failure: str | None = None
-        self.queried = threading.Event()
-        self.read_finished = threading.Event()
-
-    @property
-    def settled(self) -> bool:
-        """No worker will touch ``host_pages`` again."""
-        return not self.read_started or self.read_finished.is_set()
 
 
 def _nothing() -> None:

@@ -13,17 +13,15 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import pairwise
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from hicache_ray.controller.fetch_task import FetchTask
 from hicache_ray.keys import ShardPlan
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
 from hicache_ray.workers import InboxWorker
-
-if TYPE_CHECKING:
-    from hicache_ray.controller.prefetch import FetchTask
 
 __all__ = ["LANE_MIN_BYTES", "STAGED_BATCH_PAGES", "ReadWorker", "leading"]
 
@@ -48,7 +46,7 @@ class _Page(NamedTuple):
     slot: int
 
 
-class ReadWorker(InboxWorker["FetchTask"]):
+class ReadWorker(InboxWorker[FetchTask]):
     """Reads and verifies pages into the host slots of each task, leading pages first."""
 
     def __init__(
