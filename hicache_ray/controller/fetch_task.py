@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["FetchTask"]
+__all__ = ["FetchTask", "no_progress"]
 
 
 class FetchTask:
@@ -37,3 +37,7 @@ class FetchTask:
     def settled(self) -> bool:
         """No worker will touch ``host_pages`` again."""
         return not self.read_started or self.read_finished.is_set()
+
+
+def no_progress() -> None:
+    """The workers' progress callback until a step loop sets one (``on_progress``)."""

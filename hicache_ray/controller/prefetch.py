@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from hicache_ray.controller.fetch_task import FetchTask
+from hicache_ray.controller.fetch_task import FetchTask, no_progress
 from hicache_ray.controller.reads import ReadWorker
 from hicache_ray.keys import ShardPlan, page_hashes
 from hicache_ray.memory import HostPool
@@ -31,17 +31,13 @@ __all__ = ["FetchTask", "PrefetchPipeline"]
 log = logging.getLogger(__name__)
 
 
-def _nothing() -> None:
-    pass
-
-
 class QueryWorker(InboxWorker[FetchTask]):
     """Hashes pages and counts leading stored pages past each task's local hit."""
 
     def __init__(self, storage: StorageBackend, plan: ShardPlan, page_size: int, batch: int):
         super().__init__("hicache-prefetch-query")
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
-        self.progress: Callable[[], None] = _nothing  # see PrefetchPipeline.on_progress
+        self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
 
     def handle(self, task: FetchTask) -> None:
         task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from hicache_ray.controller.fetch_task import FetchTask
+from hicache_ray.controller.fetch_task import FetchTask, no_progress
 from hicache_ray.keys import ShardPlan
 from hicache_ray.memory import HostPool
 from hicache_ray.storage import StorageBackend
@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 
 STAGED_BATCH_PAGES = 8  # pages per read when objects go through staging buffers
 LANE_MIN_BYTES = 4 << 20  # a lane reads at least this much (a thread hand-off costs ~50 us)
-
-
-def _nothing() -> None:
-    pass
 
 
 class _Page(NamedTuple):
@@ -67,7 +63,7 @@ class ReadWorker(InboxWorker[FetchTask]):
             if threads > 1
             else None
         )
-        self.progress: Callable[[], None] = _nothing  # see PrefetchPipeline.on_progress
+        self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
 
     def run(self) -> None:
         try:

@@ -26,6 +26,7 @@ from hicache_ray.controller import Arrival, CacheController, Consensus
 from hicache_ray.keys import page_hashes, plan_shard
 from hicache_ray.layout import ShardKV
 from hicache_ray.storage import FaultyObjects, ObjectStore, PagedBackend
+from tests.conftest import make_kv
 from tests.controller.driven import Driven
 
 PAGE = 4
@@ -174,3 +175,14 @@ def drain(ctl: Driven) -> None:
         ctl.settle(timeout=30)
         if not ctl.step().busy:
             return
+
+
+def stored(objects: ObjectStore, tokens: list[int], **config: object) -> None:
+    """Run ``tokens`` through a writer rank (the tests' usual KV) and back its pages up into
+    ``objects``."""
+    kv = make_kv(page_size=PAGE)
+    writer = make_controller(controller_config(**config), kv, objects)  # type: ignore[arg-type]
+    run_request(writer, "writer", tokens)
+    drain(writer)
+    writer.check_integrity()
+    writer.close()

@@ -16,18 +16,10 @@ from tests.controller.helpers import (
     make_controller,
     prompt,
     run_request,
+    stored,
 )
 
 KV = make_kv(page_size=PAGE)
-
-
-def stored(objects: MemoryObjects, tokens: list[int], **config: object) -> None:
-    """Run ``tokens`` through a writer rank and back its pages up into ``objects``."""
-    writer = make_controller(controller_config(**config), KV, objects)  # type: ignore[arg-type]
-    run_request(writer, "writer", tokens)
-    drain(writer)
-    writer.check_integrity()
-    writer.close()
 
 
 @pytest.mark.parametrize("policy", ["wait_complete", "timeout"])

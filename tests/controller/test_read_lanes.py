@@ -18,9 +18,15 @@ from hicache_ray.storage import MemoryObjects
 from hicache_ray.storage.objects import ReadOutcome
 from hicache_ray.storage.page_format import ReadOut
 from tests.conftest import make_kv
-from tests.controller.helpers import PAGE, controller_config, drain, make_controller, prompt
+from tests.controller.helpers import (
+    PAGE,
+    controller_config,
+    drain,
+    make_controller,
+    prompt,
+    stored,
+)
 from tests.controller.helpers import run_request as run
-from tests.controller.test_pipelines import stored
 
 KV = make_kv(page_size=PAGE)
 
