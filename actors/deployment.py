@@ -6,9 +6,7 @@ store and every rank join the groups. Requests go to rank 0 (:meth:`Deployment.g
 :meth:`Deployment.submit`, :meth:`Deployment.generate_async`) once they passed
 :func:`~hicache_ray.request.check_request` here: a bad request gets its own error result and
 never reaches a rank. Every rank runs them in lock step; rank 0 answers with each request's
-result and cache statistics.
-
-States, recovery and shutdown are described in :mod:`actors.lifecycle`.
+result and cache statistics. States, recovery and shutdown: :mod:`actors.lifecycle`.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
 from hicache_ray.events import EventBatch, check_position
 from hicache_ray.request import (
+    ErrorKind,
     GenerateRequest,
     RequestError,
     RequestResult,
@@ -57,6 +56,9 @@ __all__ = ["Deployment", "DeploymentError", "DeploymentState", "Reform"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02  # how often wait_idle asks rank 0
+# A retried request refused as overloaded (all requests in flight at a rank failure reach
+# the re-formed ranks at once; it was admitted before) offers itself again, for 30 s.
+_READMIT_S, _READMIT_TRIES, OVERLOADED = 0.05, 600, ErrorKind.OVERLOADED
 
 
 class Deployment(RankSet):
@@ -158,7 +160,11 @@ class Deployment(RankSet):
         attempt = _Attempt()
         async for rank0 in self._attempts(attempt):
             try:
-                result: RequestResult = await self._get_async(rank0.generate.remote(request))
+                for _ in range(_READMIT_TRIES):
+                    result: RequestResult = await self._get_async(rank0.generate.remote(request))
+                    if not (attempt.retried and result.error_kind is OVERLOADED):
+                        break
+                    await asyncio.sleep(_READMIT_S)
                 return result
             except (RayActorError, RayTaskError) as exc:
                 self._rank_failed(attempt, exc)
@@ -184,7 +190,7 @@ class Deployment(RankSet):
             done = False
             try:
                 seen = 0  # tokens of this run so far
-                async for chunk in self._chunks(rank0.generate_stream.remote(checked)):
+                async for chunk in self._offered(rank0, checked, attempt):
                     fresh = replay(checked.rid, chunk.tokens, emitted, seen)
                     seen += len(chunk.tokens)
                     emitted += fresh
@@ -241,6 +247,21 @@ class Deployment(RankSet):
             raise exc
         self._check_open()
         attempt.cause = exc
+        attempt.retried = True
+
+    async def _offered(
+        self, rank0: Any, request: GenerateRequest, attempt: _Attempt
+    ) -> AsyncIterator[StreamChunk]:
+        """Chunks of ``request`` on ``rank0``; a refused retry is offered again (_READMIT_S)."""
+        for _ in range(_READMIT_TRIES):
+            chunks = self._chunks(rank0.generate_stream.remote(request))
+            first = await anext(chunks)
+            if not (attempt.retried and first.result and first.result.error_kind is OVERLOADED):
+                break
+            await asyncio.sleep(_READMIT_S)
+        yield first
+        async for chunk in chunks:
+            yield chunk
 
     async def _chunks(self, stream: Any) -> AsyncIterator[StreamChunk]:
         async for ref in stream:
@@ -372,7 +393,8 @@ class Deployment(RankSet):
 class _Attempt:
     """What one asyncio request's current attempt failed with (None: nothing yet)."""
 
-    __slots__ = ("cause",)
+    __slots__ = ("cause", "retried")
 
     def __init__(self) -> None:
         self.cause: BaseException | None = None
+        self.retried = False  # a rank failure ended an earlier attempt
