@@ -72,14 +72,16 @@ class EngineCall:
 
 @dataclass(frozen=True)
 class CompletionCall(EngineCall):
-    """A ``/v1/completions`` call; ``prompt`` as the client sent it."""
+    """A ``/v1/completions`` call; ``prompt`` as the client sent it, or its token ids
+    written out where it sent no text (see :func:`_routed_text`)."""
 
-    prompt: str | list[int] = ""
+    prompt: str = ""
 
 
 @dataclass(frozen=True)
 class ChatCall(EngineCall):
-    """A ``/v1/chat/completions`` call; ``messages`` as the client sent them."""
+    """A ``/v1/chat/completions`` call; ``messages`` as the client sent them, or one
+    message of the prompt's token ids written out where none holds text."""
 
     messages: list[dict[str, str]] = field(default_factory=list)
 
@@ -134,8 +136,19 @@ def parse_call(
     }
     if isinstance(body, ChatRequest):
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        if not any(m.content for m in body.messages):
+            messages = [{"role": "user", "content": _routed_text(tokens)}]
         return ChatCall(**common, messages=messages)
-    return CompletionCall(**common, prompt=body.prompt)
+    prompt = body.prompt if isinstance(body.prompt, str) and body.prompt else None
+    return CompletionCall(**common, prompt=prompt or _routed_text(tokens))
+
+
+def _routed_text(tokens: list[int]) -> str:
+    """The text a call shows Ray's prefix router when its client sent none (token ids, or
+    messages with empty contents): the prompt's token ids written out. That router reads
+    text only, and a call without any never leaves it (a division by zero in its loop,
+    ray-project/ray#64573): the client would wait until it gave up."""
+    return " ".join(map(str, tokens))
 
 
 class OpenAIEngine:
