@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 from actors.deployment import Deployment, DeploymentError
@@ -72,18 +73,30 @@ class EngineCall:
 
 @dataclass(frozen=True)
 class CompletionCall(EngineCall):
-    """A ``/v1/completions`` call; ``prompt`` as the client sent it, or its token ids
-    written out where it sent no text (see :func:`_routed_text`)."""
+    """A ``/v1/completions`` call; ``text``: its prompt where the client sent text."""
 
-    prompt: str = ""
+    text: str = ""
+
+    @cached_property
+    def prompt(self) -> str:
+        """What Ray's prefix router reads: the client's text, or the prompt's token ids
+        written out where it sent none (:func:`_routed_text`)."""
+        return self.text or _routed_text(self.request.tokens)
 
 
 @dataclass(frozen=True)
 class ChatCall(EngineCall):
-    """A ``/v1/chat/completions`` call; ``messages`` as the client sent them, or one
-    message of the prompt's token ids written out where none holds text."""
+    """A ``/v1/chat/completions`` call; ``sent``: its messages as the client sent them."""
 
-    messages: list[dict[str, str]] = field(default_factory=list)
+    sent: list[dict[str, str]] = field(default_factory=list)
+
+    @cached_property
+    def messages(self) -> list[dict[str, str]]:
+        """What Ray's prefix router reads: the messages as sent, or one message of the
+        prompt's token ids written out where none holds text (:func:`_routed_text`)."""
+        if any(m["content"] for m in self.sent):
+            return self.sent
+        return [{"role": "user", "content": _routed_text(self.request.tokens)}]
 
     @property
     def chat(self) -> bool:
@@ -135,19 +148,17 @@ def parse_call(
         "stops": [body.stop] if isinstance(body.stop, str) else list(body.stop or []),
     }
     if isinstance(body, ChatRequest):
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        if not any(m.content for m in body.messages):
-            messages = [{"role": "user", "content": _routed_text(tokens)}]
-        return ChatCall(**common, messages=messages)
-    prompt = body.prompt if isinstance(body.prompt, str) and body.prompt else None
-    return CompletionCall(**common, prompt=prompt or _routed_text(tokens))
+        sent = [{"role": m.role, "content": m.content} for m in body.messages]
+        return ChatCall(**common, sent=sent)
+    return CompletionCall(**common, text=body.prompt if isinstance(body.prompt, str) else "")
 
 
 def _routed_text(tokens: list[int]) -> str:
     """The text a call shows Ray's prefix router when its client sent none (token ids, or
     messages with empty contents): the prompt's token ids written out. That router reads
     text only, and a call without any never leaves it (a division by zero in its loop,
-    ray-project/ray#64573): the client would wait until it gave up."""
+    ray-project/ray#64573): the client would wait until it gave up. Written only when
+    that router asks (0.7 ms for 4,096 tokens)."""
     return " ".join(map(str, tokens))
 
 

@@ -36,11 +36,15 @@ class _Chat(TextCodec):
         return IdText().decode(tokens)
 
 
-def _routed(body: dict[str, Any], chat: bool = False) -> str:
-    """The text Ray's ``PrefixCacheAffinityRouter`` reads from the call of ``body``."""
+def _call(body: dict[str, Any], chat: bool = False) -> Any:
     config = actors.DeploymentConfig(model=MODEL)
     kind = ChatRequest if chat else CompletionRequest
-    call = parse_call(msgspec.json.encode({"model": "m", **body}), kind, _Chat(), config, "m")
+    return parse_call(msgspec.json.encode({"model": "m", **body}), kind, _Chat(), config, "m")
+
+
+def _routed(body: dict[str, Any], chat: bool = False) -> str:
+    """The text Ray's ``PrefixCacheAffinityRouter`` reads from the call of ``body``."""
+    call = _call(body, chat)
     router = prefix_router.PrefixCacheAffinityRouter.__new__(
         prefix_router.PrefixCacheAffinityRouter
     )
@@ -66,3 +70,9 @@ def test_chat_messages_are_read_as_sent() -> None:
 def test_chat_messages_without_text_are_read_as_the_templates_token_ids() -> None:
     messages = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
     assert _routed({"messages": messages}, chat=True) == "7 7 9"
+
+
+def test_the_token_ids_are_written_out_only_when_the_router_asks() -> None:
+    call = _call({"prompt": list(range(4096))})
+    assert "prompt" not in vars(call)  # the cache and pow2 routers never pay for it
+    assert call.prompt.endswith(" 4095") and "prompt" in vars(call)
