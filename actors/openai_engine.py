@@ -121,6 +121,8 @@ def parse_call(
         )
     chat = isinstance(body, ChatRequest)
     tokens = codec.encode_chat(body.messages) if chat else codec.encode(body.prompt)
+    if not tokens:  # refused here: no router could place it (Ray's prefix router stalls)
+        raise OpenAIError(400, "the prompt is empty: give at least one token", param="prompt")
     limit = body.max_completion_tokens if chat else None
     if limit is None:
         limit = body.max_tokens

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from hicache_ray.openai.protocol import ChatRequest, CompletionRequest, Message
+from hicache_ray.openai.protocol import ChatRequest, CompletionRequest, Message, OpenAIError
 from hicache_ray.openai.text import IdText, TextCodec
 from tests.actors.helpers import MODEL
 
@@ -76,3 +76,10 @@ def test_the_token_ids_are_written_out_only_when_the_router_asks() -> None:
     call = _call({"prompt": list(range(4096))})
     assert "prompt" not in vars(call)  # the cache and pow2 routers never pay for it
     assert call.prompt.endswith(" 4095") and "prompt" in vars(call)
+
+
+@pytest.mark.parametrize("prompt", ["", []])
+def test_an_empty_prompt_is_refused_before_any_router(prompt: str | list[int]) -> None:
+    with pytest.raises(OpenAIError) as refused:
+        _call({"prompt": prompt})
+    assert refused.value.status == 400 and refused.value.param == "prompt"
