@@ -6,8 +6,7 @@ store and every rank join the groups. Requests go to rank 0 (:meth:`Deployment.g
 :meth:`Deployment.submit`, :meth:`Deployment.generate_async`) once they passed
 :func:`~hicache_ray.request.check_request` here: a bad request gets its own error result and
 never reaches a rank. Every rank runs them in lock step; rank 0 answers with each request's
-result and cache statistics. States, recovery and shutdown: :mod:`actors.lifecycle`.
-"""
+result and cache statistics. States, recovery and shutdown: :mod:`actors.lifecycle`."""
 
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.forming import SLICE_S, RankSet
 from actors.lifecycle import (
+    Attempt,
     DeploymentError,
     DeploymentState,
     DeploymentStats,
@@ -36,7 +36,6 @@ from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
 from hicache_ray.events import EventBatch, check_position
 from hicache_ray.request import (
-    ErrorKind,
     GenerateRequest,
     RequestError,
     RequestResult,
@@ -56,9 +55,9 @@ __all__ = ["Deployment", "DeploymentError", "DeploymentState", "Reform"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02  # how often wait_idle asks rank 0
-# A retried request refused as overloaded (all requests in flight at a rank failure reach
-# the re-formed ranks at once; it was admitted before) offers itself again, for 30 s.
-_READMIT_S, _READMIT_TRIES, OVERLOADED = 0.05, 600, ErrorKind.OVERLOADED
+# A retry refused as overloaded (every request in flight at a rank failure reaches the
+# re-formed ranks at once) is offered again every 50 ms for 30 s (Attempt.refused).
+_READMIT_S, _READMIT_TRIES = 0.05, 600
 
 
 class Deployment(RankSet):
@@ -157,12 +156,12 @@ class Deployment(RankSet):
 
     async def _run(self, request: GenerateRequest) -> RequestResult:
         """A checked request to its result, through the one retry loop (:meth:`_attempts`)."""
-        attempt = _Attempt()
+        attempt = Attempt()
         async for rank0 in self._attempts(attempt):
             try:
                 for _ in range(_READMIT_TRIES):
                     result: RequestResult = await self._get_async(rank0.generate.remote(request))
-                    if not (attempt.retried and result.error_kind is OVERLOADED):
+                    if not attempt.refused(result):
                         break
                     await asyncio.sleep(_READMIT_S)
                 return result
@@ -185,7 +184,7 @@ class Deployment(RankSet):
             yield StreamChunk(tokens=[], result=error_result(request, str(exc)))
             return
         emitted: list[int] = []
-        attempt = _Attempt()
+        attempt = Attempt()
         async for rank0 in self._attempts(attempt):
             done = False
             try:
@@ -205,7 +204,7 @@ class Deployment(RankSet):
                 if not done and not self._closed.is_set() and attempt.cause is None:
                     rank0.abort.remote(checked.rid)  # the caller stopped listening
 
-    async def _attempts(self, attempt: _Attempt) -> AsyncIterator[Any]:
+    async def _attempts(self, attempt: Attempt) -> AsyncIterator[Any]:
         """The retry loop of one asyncio request: rank 0 of each attempt. A caller whose
         attempt hit a rank failure records it (:meth:`_rank_failed`) and asks for the next
         one, which re-forms first; a caller that got its answer stops asking.
@@ -241,7 +240,7 @@ class Deployment(RankSet):
             f"{describe_failure(attempt.cause)}"
         ) from attempt.cause
 
-    def _rank_failed(self, attempt: _Attempt, exc: RayActorError | RayTaskError) -> None:
+    def _rank_failed(self, attempt: Attempt, exc: RayActorError | RayTaskError) -> None:
         """Record a rank failure for the next attempt; re-raise any other error."""
         if not is_rank_failure(exc):
             raise exc
@@ -250,13 +249,13 @@ class Deployment(RankSet):
         attempt.retried = True
 
     async def _offered(
-        self, rank0: Any, request: GenerateRequest, attempt: _Attempt
+        self, rank0: Any, request: GenerateRequest, attempt: Attempt
     ) -> AsyncIterator[StreamChunk]:
         """Chunks of ``request`` on ``rank0``; a refused retry is offered again (_READMIT_S)."""
         for _ in range(_READMIT_TRIES):
             chunks = self._chunks(rank0.generate_stream.remote(request))
             first = await anext(chunks)
-            if not (attempt.retried and first.result and first.result.error_kind is OVERLOADED):
+            if not attempt.refused(first.result):
                 break
             await asyncio.sleep(_READMIT_S)
         yield first
@@ -388,13 +387,3 @@ class Deployment(RankSet):
         # the requests on the I/O loop (at their next slice), after which it stops.
         self._executor.shutdown(wait=False)
         self._io.close()
-
-
-class _Attempt:
-    """What one asyncio request's current attempt failed with (None: nothing yet)."""
-
-    __slots__ = ("cause", "retried")
-
-    def __init__(self) -> None:
-        self.cause: BaseException | None = None
-        self.retried = False  # a rank failure ended an earlier attempt

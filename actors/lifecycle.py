@@ -31,9 +31,11 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.rank import RankFailure
 from hicache_ray.errors import HiCacheError
+from hicache_ray.request import ErrorKind, RequestResult
 from hicache_ray.stats import RankStats
 
 __all__ = [
+    "Attempt",
     "DeploymentError",
     "DeploymentState",
     "DeploymentStats",
@@ -114,3 +116,17 @@ def replay(rid: str, tokens: list[int], emitted: list[int], seen: int) -> list[i
             f"(from token {seen + 1} on): this request does not reproduce across runs"
         )
     return tokens[skip:]
+
+
+class Attempt:
+    """What one asyncio request's current attempt failed with (None: nothing yet)."""
+
+    __slots__ = ("cause", "retried")
+
+    def __init__(self) -> None:
+        self.cause: BaseException | None = None
+        self.retried = False  # a rank failure ended an earlier attempt
+
+    def refused(self, result: RequestResult | None) -> bool:
+        """A retry the re-formed ranks refused as overloaded (to be offered again)."""
+        return self.retried and result is not None and result.error_kind is ErrorKind.OVERLOADED
