@@ -50,6 +50,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY_VLLM) -m pip freeze | grep -iE '^(torch|transformers|numpy)==' > $(VENV_VLLM)/constraints.txt
 	$(PY_VLLM) -m pip install -q -c $(VENV_VLLM)/constraints.txt $(VLLM_EXTRA)
+	$(PY_VLLM) -m pip install -q --no-deps -e .  # its entry points (the ray L3 backend)
 	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
@@ -59,6 +60,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) tools/check_sizes.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -4,7 +4,7 @@ the Serve app."""
 from actors.ray_store import RayObjects
 from actors.shards import NAMESPACE
 from actors.stores import StoreInfo, clear_store, drop_store, list_stores, store_stats
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.engine.spec import DeploymentConfig
 
 __all__ = [
     "NAMESPACE",

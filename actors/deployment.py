@@ -4,7 +4,7 @@
 one :class:`~actors.rank.RankActor` per rank in its bundle, has rank 0 bind the rendezvous
 store and every rank join the groups. Requests go to rank 0 (:meth:`Deployment.generate`,
 :meth:`Deployment.submit`, :meth:`Deployment.generate_async`) once they passed
-:func:`~hicache_ray.request.check_request` here: a bad request gets its own error result and
+:func:`~hicache_ray.engine.request.check_request` here: a bad request gets its own error result and
 never reaches a rank. Every rank runs them in lock step; rank 0 answers with each request's
 result and cache statistics. States, recovery and shutdown: :mod:`actors.lifecycle`."""
 
@@ -34,8 +34,9 @@ from actors.lifecycle import (
 )
 from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
-from hicache_ray.events import EventBatch, check_position
-from hicache_ray.request import (
+from hicache_ray.base.stats import RankHealth
+from hicache_ray.cache.events import EventBatch, check_position
+from hicache_ray.engine.request import (
     GenerateRequest,
     RequestError,
     RequestResult,
@@ -45,8 +46,7 @@ from hicache_ray.request import (
     check_request,
     error_result,
 )
-from hicache_ray.spec import DeploymentConfig
-from hicache_ray.stats import RankHealth
+from hicache_ray.engine.spec import DeploymentConfig
 from placement.groups import StageGroups, acquire_groups, release_groups
 from placement.plan import plan_stages
 
@@ -306,7 +306,7 @@ class Deployment(RankSet):
 
     def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None:
         """The cache events of the serving generation after batch ``seq`` of journal
-        ``epoch`` (:mod:`hicache_ray.events`); None: take :meth:`cache_snapshot` (the
+        ``epoch`` (:mod:`hicache_ray.cache.events`); None: take :meth:`cache_snapshot` (the
         deployment re-formed since, or the batches are no longer kept, or it has no ranks).
 
         Raises:

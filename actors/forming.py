@@ -19,7 +19,7 @@ from actors.lifecycle import (
     describe_failure,
 )
 from actors.rank_group import find_suspects, kill_ranks, start_ranks, stop_ranks
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.engine.spec import DeploymentConfig
 from placement.groups import StageGroups
 
 __all__ = ["SLICE_S", "RankSet"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from hicache_ray.stats import ShardStats
+from hicache_ray.base.stats import ShardStats
 
 __all__ = ["PageShard"]
 

@@ -30,9 +30,9 @@ import msgspec
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.rank import RankFailure
-from hicache_ray.errors import HiCacheError
-from hicache_ray.request import ErrorKind, RequestResult
-from hicache_ray.stats import RankStats
+from hicache_ray.base.errors import HiCacheError
+from hicache_ray.base.stats import RankStats
+from hicache_ray.engine.request import ErrorKind, RequestResult
 
 __all__ = [
     "Attempt",

@@ -1,7 +1,7 @@
 """A rank's metrics, published through ``ray.util.metrics`` (Prometheus via Ray).
 
-What is published is :data:`hicache_ray.metrics.METRICS`: counters from the running totals
-of :class:`~hicache_ray.stats.ControllerStats` (each publish adds what grew since the last),
+What is published is :data:`hicache_ray.base.metrics.METRICS`: counters from the running totals
+of :class:`~hicache_ray.base.stats.ControllerStats` (each publish adds what grew since the last),
 gauges from its levels, histograms from each finished request (rank 0) and each step.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_ray.metrics import METRICS, SECONDS_BUCKETS, Metric
-from hicache_ray.request import RequestResult
-from hicache_ray.stats import ControllerStats
+from hicache_ray.base.metrics import METRICS, SECONDS_BUCKETS, Metric
+from hicache_ray.base.stats import ControllerStats
+from hicache_ray.engine.request import RequestResult
 
 __all__ = ["StatsPublisher", "flatten_stats"]
 

@@ -30,15 +30,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from actors.deployment import Deployment
 from actors.openai_engine import RETRY_AFTER_S, EngineCall, OpenAIEngine, parse_call, prepend
 from actors.stores import drop_store
-from hicache_ray.openai.protocol import (
+from hicache_ray.engine.spec import DeploymentConfig
+from hicache_ray.serving.openai.protocol import (
     ChatRequest,
     CompletionRequest,
     OpenAIError,
     error_body,
     models_response,
 )
-from hicache_ray.openai.text import text_codec
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.serving.openai.text import text_codec
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -244,7 +244,7 @@ def build_app(args: dict[str, str]) -> Any:
     ``storage`` (``ray``, ``file`` or ``none``), ``storage_root``, ``store``,
     ``device_tokens``, ``page_size``, ``served_name``, ``keep_store``, ``max_queued``,
     ``replicas``, ``router``, ``ingresses``, ``route_weights``."""
-    from hicache_ray.serve_options import (
+    from hicache_ray.serving.serve_options import (
         serve_deployment_config,
         serve_ingresses,
         serve_replicas,

@@ -16,7 +16,15 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 from actors.deployment import Deployment, DeploymentError
-from hicache_ray.openai.protocol import (
+from hicache_ray.engine.request import (
+    ErrorKind,
+    GenerateRequest,
+    RequestResult,
+    SamplingParams,
+    StreamChunk,
+)
+from hicache_ray.engine.spec import DeploymentConfig
+from hicache_ray.serving.openai.protocol import (
     MAX_TOKENS_DEFAULT,
     ChatRequest,
     CompletionRequest,
@@ -30,15 +38,7 @@ from hicache_ray.openai.protocol import (
     sse,
     usage,
 )
-from hicache_ray.openai.text import IncrementalText, TextCodec
-from hicache_ray.request import (
-    ErrorKind,
-    GenerateRequest,
-    RequestResult,
-    SamplingParams,
-    StreamChunk,
-)
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.serving.openai.text import IncrementalText, TextCodec
 
 __all__ = ["ChatCall", "CompletionCall", "EngineCall", "OpenAIEngine", "parse_call"]
 

@@ -1,10 +1,10 @@
 """``RankActor``: one rank of a deployment, a thin wrapper over :class:`RankRuntime`.
 
 Life of an actor: :meth:`RankActor.start_rendezvous` (rank 0: bind the TCP store on port
-0), :meth:`RankActor.join` (every rank at once: :func:`~hicache_ray.compose.compose_rank`
+0), :meth:`RankActor.join` (every rank at once: :func:`~hicache_ray.engine.compose.compose_rank`
 builds the groups, the controller, the model shard and the runtime; then the step loop
 starts), :meth:`RankActor.stop`.
-The :class:`~hicache_ray.step_loop.StepLoop` runs :meth:`RankRuntime.step` in lock step with
+The :class:`~hicache_ray.engine.step_loop.StepLoop` runs :meth:`RankRuntime.step` in lock step with
 the other ranks; rank 0 feeds it the requests that :meth:`RankActor.generate` receives and
 resolves each caller's future with its result. Idle, rank 0 still steps every
 ``idle_step_s`` (the others wait in the collective), so the consensus timeout only fires
@@ -34,12 +34,13 @@ import torch
 
 from actors.metrics import StatsPublisher
 from actors.waiter import Waiter
-from hicache_ray.compose import RankPlace, compose_rank, rank_device
-from hicache_ray.controller import CacheController, start_rendezvous
-from hicache_ray.controller.consensus import Rendezvous
-from hicache_ray.errors import HiCacheError
-from hicache_ray.events import EventBatch, check_position
-from hicache_ray.request import (
+from hicache_ray.base.errors import HiCacheError
+from hicache_ray.base.stats import RankHealth, RankStats
+from hicache_ray.cache.controller import CacheController, start_rendezvous
+from hicache_ray.cache.controller.consensus import Rendezvous
+from hicache_ray.cache.events import EventBatch, check_position
+from hicache_ray.engine.compose import RankPlace, compose_rank, rank_device
+from hicache_ray.engine.request import (
     GenerateRequest,
     RequestError,
     RequestResult,
@@ -47,10 +48,9 @@ from hicache_ray.request import (
     check_request,
     error_result,
 )
-from hicache_ray.runtime import RankRuntime
-from hicache_ray.spec import DeploymentConfig
-from hicache_ray.stats import RankHealth, RankStats
-from hicache_ray.step_loop import StepLoop
+from hicache_ray.engine.runtime import RankRuntime
+from hicache_ray.engine.spec import DeploymentConfig
+from hicache_ray.engine.step_loop import StepLoop
 
 __all__ = ["RankActor", "RankFailure"]
 

@@ -14,9 +14,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankActor
-from hicache_ray.errors import ConfigError
-from hicache_ray.spec import DeploymentConfig
-from hicache_ray.stats import RankHealth
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.stats import RankHealth
+from hicache_ray.engine.spec import DeploymentConfig
 from placement.groups import StageGroups
 
 __all__ = [

@@ -40,8 +40,8 @@ from actors.shards import (
     mark_dropped,
     shard_handle,
 )
-from hicache_ray.config import RayStorageOptions, StorageConfig
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.config import RayStorageOptions, StorageConfig
+from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
@@ -368,7 +368,7 @@ def _spread(answer: Any, n: int) -> list[Any]:
 
 
 def ray_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
-    """The ``ray`` backend (named by path in :mod:`hicache_ray.backends`)."""
+    """The ``ray`` backend (named by path in :mod:`hicache_ray.base.backends`)."""
     # No byte budget here: the shards evict on their own (capacity_bytes per shard).
     objects = with_faults(config, RayObjects(config.ray))
     return PagedBackend(

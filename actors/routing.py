@@ -9,7 +9,7 @@ engines through a Serve handle whose request router picks the replica:
   cache events to the application's :class:`IndexActor` (a :class:`~hicache_ray.
   cache_index.CacheIndex`); the router hashes the call's prompt pages and ranks the
   replicas by the prefill each saves (L1 over L2) against its load
-  (:func:`~hicache_ray.cache_index.rank_replicas`, weights in :class:`~hicache_ray.
+  (:func:`~hicache_ray.serving.cache_index.rank_replicas`, weights in :class:`~hicache_ray.
   cache_index.RouteWeights`); a prompt no replica holds a page of goes where the caches
   have most room. No usable information (caches alike, the index not answering in time):
   power of two choices. A replica that is down is no candidate, and
@@ -36,11 +36,11 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from actors.deployment import Deployment
 from actors.openai_engine import EngineCall, OpenAIEngine
-from hicache_ray.cache_index import CacheIndex, Hits, RouteWeights, rank_replicas
-from hicache_ray.events import EventBatch
+from hicache_ray.cache.events import EventBatch
+from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.keys import page_hashes
-from hicache_ray.openai.text import text_codec
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.serving.cache_index import CacheIndex, Hits, RouteWeights, rank_replicas
+from hicache_ray.serving.openai.text import text_codec
 
 __all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
 

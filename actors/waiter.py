@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hicache_ray.request import RequestResult, StreamChunk
+from hicache_ray.engine.request import RequestResult, StreamChunk
 
 __all__ = ["Waiter"]
 

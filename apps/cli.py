@@ -227,7 +227,7 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, check (a bad value is argparse's one-line error, exit 2, before anything
     starts), then run the command."""
-    from hicache_ray.errors import ConfigError
+    from hicache_ray.base.errors import ConfigError
 
     args = _parser().parse_args(argv)
     import apps.cli_commands as commands

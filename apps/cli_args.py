@@ -1,5 +1,5 @@
 """What the command line accepts, checked where it enters: argparse ``type=`` functions,
-choices; the serve options come from ``hicache_ray.serve_options``. Imports nothing heavy
+choices; the serve options come from ``hicache_ray.serving.serve_options``. Imports nothing heavy
 (``--help`` must stay fast)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from hicache_ray.serve_options import SERVE_OPTIONS
+from hicache_ray.serving.serve_options import SERVE_OPTIONS
 
 __all__ = [
     "MODEL_PRESETS",
@@ -30,7 +30,7 @@ __all__ = [
     "positive_int",
 ]
 
-# Names of hicache_ray.model.PRESETS (a test keeps them equal; importing the presets would
+# Names of hicache_ray.engine.model.PRESETS (a test keeps them equal; importing the presets would
 # import torch, and --help must not).
 MODEL_PRESETS = ("tiny", "tiny4", "bench")
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from apps.cli_args import flag_values
 from apps.cli_experiments import experiment_options as options
 from apps.cli_experiments import serve_options as serve_bench_options
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ def check_device(args: argparse.Namespace) -> Any:
     import torch
 
     if args.device == "auto":
-        from hicache_ray.memory import default_device
+        from hicache_ray.cache.memory import default_device
 
         return default_device()
     if args.device.startswith("cuda"):
@@ -278,7 +278,7 @@ def store(args: argparse.Namespace, _: None) -> int:
         rest = [] if args.action == "ls" else [args.name]
         return run_in_cluster(args, ["store", args.action, *rest, "--timeout", str(args.timeout)])
     from actors.stores import clear_store, drop_store, list_stores
-    from hicache_ray.config import RayStorageOptions
+    from hicache_ray.base.config import RayStorageOptions
 
     with connected(args.address, args.timeout):
         found = {s.name: s for s in list_stores(timeout_s=args.timeout)}

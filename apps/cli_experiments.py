@@ -21,8 +21,8 @@ from apps.cli_args import (
     positive_float,
     positive_int,
 )
-from hicache_ray.config import PrefetchPolicy, WritePolicy
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.config import PrefetchPolicy, WritePolicy
+from hicache_ray.base.errors import ConfigError
 
 __all__ = [
     "QUICK",

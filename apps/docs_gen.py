@@ -1,5 +1,5 @@
 """The generated parts of docs/: the configuration reference (from the config structs'
-docstrings, defaults and types) and the metrics table (from ``hicache_ray.metrics``).
+docstrings, defaults and types) and the metrics table (from ``hicache_ray.base.metrics``).
 
     python -m apps.docs_gen           # rewrite them in docs/
     python -m apps.docs_gen --check   # exit 1 when docs/ is stale (a test runs it)
@@ -67,7 +67,7 @@ def _type(field: Any) -> str:
     if get_origin(field.type) is Literal:
         return " \\| ".join(f'"{v}"' for v in get_args(field.type))
     text = getattr(field.type, "__name__", None) or str(field.type)
-    text = text.replace("typing.", "").replace("hicache_ray.config.", "")
+    text = text.replace("typing.", "").replace("hicache_ray.base.config.", "")
     return re.sub(r"<class '([\w.]+)'>", lambda m: m[1].rsplit(".", 1)[-1], text)
 
 
@@ -96,11 +96,11 @@ def config_reference(classes: list[type], prefixes: dict[type, str]) -> str:
 
 
 def _configuration() -> str:
-    from hicache_ray import config as c
-    from hicache_ray.integrations.sglang_setup import SGLangStoreOptions
-    from hicache_ray.integrations.vllm_setup import VLLMStoreOptions
-    from hicache_ray.model.config import ModelConfig
-    from hicache_ray.spec import DeploymentConfig
+    from hicache_ray.base import config as c
+    from hicache_ray.engine.model.config import ModelConfig
+    from hicache_ray.engine.spec import DeploymentConfig
+    from hicache_ray.integrations.sglang.setup import SGLangStoreOptions
+    from hicache_ray.integrations.vllm.setup import VLLMStoreOptions
 
     classes: list[type] = [
         c.CacheConfig,
@@ -120,7 +120,7 @@ def _configuration() -> str:
     ]
     prefixes: dict[type, str] = {
         DeploymentConfig: "actors.",
-        ModelConfig: "hicache_ray.model.",
+        ModelConfig: "hicache_ray.engine.model.",
         SGLangStoreOptions: "",
         VLLMStoreOptions: "",
     }
@@ -128,7 +128,7 @@ def _configuration() -> str:
 
 
 def _metrics() -> str:
-    from hicache_ray.metrics import markdown_table
+    from hicache_ray.base.metrics import markdown_table
 
     return markdown_table()
 

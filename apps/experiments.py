@@ -20,12 +20,12 @@ import ray
 from actors.deployment import Deployment
 from actors.stores import drop_store
 from apps.multiturn.driver import Progress, mode_cache, oracle_hits, replay_rounds, serve_rounds
-from apps.multiturn.exact import recompute
 from apps.multiturn.options import ExperimentOptions
 from apps.multiturn.report import Series, figures, table
 from apps.report import Figure, figure
-from hicache_ray.config import Fault, RayStorageOptions, StorageConfig
-from hicache_ray.model import preset
+from hicache_ray.base.config import Fault, RayStorageOptions, StorageConfig
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.reference import recompute
 
 __all__ = [
     "DEMO_SHAPES",

@@ -24,8 +24,8 @@ import msgspec
 import psutil
 import torch
 
-from hicache_ray.layout import ModelKV, Shard, ShardKV
-from hicache_ray.request import TTFTSplit
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.engine.request import TTFTSplit
 
 __all__ = [
     "Figure",

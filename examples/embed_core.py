@@ -5,7 +5,7 @@ An engine loop calls ``match`` (lock the cached prefix, start loading its host p
 per layer on the load), and ``finish`` (insert the prompt and answer, apply the write
 policy). Here the engine is the reference model; a three-turn conversation reuses more of
 its history each turn, and every answer equals a from-scratch recompute (which runs a whole
-rank of ours: ``hicache_ray.compose.compose_rank`` builds its controller, model and runtime
+rank of ours: ``hicache_ray.engine.compose.compose_rank`` builds its controller, model and runtime
 from a ``DeploymentConfig``, the way an engine that takes our scheduler too would).
 
     python examples/embed_core.py
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from apps.multiturn.exact import recompute
-from hicache_ray.cache import HiCache
-from hicache_ray.config import CacheConfig, MemoryConfig
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ReferenceModel, preset
+from hicache_ray.base.config import CacheConfig, MemoryConfig
+from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.cache.hicache import HiCache
+from hicache_ray.engine.model import ReferenceModel, preset
+from hicache_ray.engine.reference import recompute
 
 PAGE = 16
 MODEL = preset("tiny4")

@@ -23,16 +23,16 @@ import ray
 import torch
 
 from actors import Deployment, DeploymentConfig, drop_store
-from apps.multiturn.exact import recompute
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     MemoryConfig,
     PrefetchConfig,
     RayStorageOptions,
     StorageConfig,
 )
-from hicache_ray.model import preset
-from hicache_ray.runtime import GenerateRequest
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.reference import recompute
+from hicache_ray.engine.runtime import GenerateRequest
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

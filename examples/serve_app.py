@@ -28,9 +28,9 @@ from starlette.responses import JSONResponse
 from actors import Deployment, DeploymentConfig
 from actors.deployment import DeploymentError
 from actors.stores import drop_store
-from hicache_ray.config import CacheConfig, MemoryConfig, RayStorageOptions, StorageConfig
-from hicache_ray.model import preset
-from hicache_ray.request import GenerateRequest
+from hicache_ray.base.config import CacheConfig, MemoryConfig, RayStorageOptions, StorageConfig
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.request import GenerateRequest
 
 TP = 2
 MAX_BODY_BYTES = 1 << 20

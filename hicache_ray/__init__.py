@@ -11,35 +11,36 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hicache_ray.cache import CacheFullError, CacheHandle, HiCache
-    from hicache_ray.config import (
+    from hicache_ray.base.config import (
         CacheConfig,
         MemoryConfig,
         PrefetchConfig,
         StorageConfig,
         WriteConfig,
     )
-    from hicache_ray.errors import AllocatorError, ConfigError, HiCacheError, TransferError
-    from hicache_ray.layout import ModelKV, Shard, ShardKV
-    from hicache_ray.stats import CacheStats
+    from hicache_ray.base.errors import AllocatorError, ConfigError, HiCacheError, TransferError
+    from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+    from hicache_ray.base.stats import CacheStats
+    from hicache_ray.cache.handle import CacheFullError, CacheHandle
+    from hicache_ray.cache.hicache import HiCache
 
 _WHERE = {
-    "AllocatorError": "errors",
-    "CacheConfig": "config",
-    "CacheFullError": "cache",
-    "CacheHandle": "cache",
-    "CacheStats": "stats",
-    "ConfigError": "errors",
-    "HiCache": "cache",
-    "HiCacheError": "errors",
-    "MemoryConfig": "config",
-    "ModelKV": "layout",
-    "PrefetchConfig": "config",
-    "Shard": "layout",
-    "ShardKV": "layout",
-    "StorageConfig": "config",
-    "TransferError": "errors",
-    "WriteConfig": "config",
+    "AllocatorError": "base.errors",
+    "CacheConfig": "base.config",
+    "CacheFullError": "cache.handle",
+    "CacheHandle": "cache.handle",
+    "CacheStats": "base.stats",
+    "ConfigError": "base.errors",
+    "HiCache": "cache.hicache",
+    "HiCacheError": "base.errors",
+    "MemoryConfig": "base.config",
+    "ModelKV": "base.layout",
+    "PrefetchConfig": "base.config",
+    "Shard": "base.layout",
+    "ShardKV": "base.layout",
+    "StorageConfig": "base.config",
+    "TransferError": "base.errors",
+    "WriteConfig": "base.config",
 }
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache_ray.errors import HiCacheError
+from hicache_ray.base.errors import HiCacheError
 from placement.plan import StagePlan, order_ranks
 
 __all__ = ["PlacementError", "StageGroups", "acquire_groups", "release_groups"]

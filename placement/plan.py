@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 
 __all__ = ["StagePlan", "order_ranks", "plan_stages", "rank_bundle"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache_ray.config import CacheConfig, MemoryConfig, WriteConfig
-from hicache_ray.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.config import CacheConfig, MemoryConfig, WriteConfig
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV
 from tests.helpers import ensure_local_ray
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -28,18 +28,18 @@ import torch
 import torch.distributed as dist
 
 from apps.report import Figure, figure, fp16_kv, time_into
-from hicache_ray.cache import CacheHandle
-from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
-from hicache_ray.controller import (
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
+from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.cache.controller import (
     Arrival,
     CacheController,
     Consensus,
     GlooConsensus,
     start_rendezvous,
 )
-from hicache_ray.controller.protocol import Header
+from hicache_ray.cache.controller.protocol import Header
+from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.keys import plan_shard
-from hicache_ray.layout import Shard, ShardKV
 from hicache_ray.storage import MemoryObjects, PagedBackend
 
 __all__ = ["ConsensusOptions", "consensus_figures", "fetch_figures"]

@@ -37,18 +37,18 @@ from actors.shards import NAMESPACE
 from actors.stores import drop_store, store_stats
 from apps.bench.options import FAULT_SCENARIOS, FaultOptions
 from apps.experiments import embedded_ray, shared_storage
-from apps.multiturn.exact import recompute
 from apps.report import Figure, figure
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     Fault,
     MemoryConfig,
     PrefetchConfig,
     RayStorageOptions,
 )
-from hicache_ray.model import preset
-from hicache_ray.runtime import GenerateRequest, RequestResult
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.reference import recompute
+from hicache_ray.engine.runtime import GenerateRequest, RequestResult
+from hicache_ray.engine.spec import DeploymentConfig
 
 __all__ = ["run_faults"]
 

@@ -23,9 +23,9 @@ import torch
 from apps.bench.tree_sglang import sglang_tree_figures
 from apps.bench.workload import shared_prefix_requests
 from apps.report import Figure, figure, fp16_kv, time_into
-from hicache_ray.memory import DevicePool, HostPool, PageAllocator, Transfer, TransferEngine
-from hicache_ray.tree import HiRadixTree
-from hicache_ray.tree.tokens import encode_tokens
+from hicache_ray.base.tokens import encode_tokens
+from hicache_ray.cache.memory import DevicePool, HostPool, PageAllocator, Transfer, TransferEngine
+from hicache_ray.cache.tree import HiRadixTree
 
 __all__ = ["MicroOptions", "run_micro"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from apps.cli_args import MODEL_PRESETS, csv_of, flag, positive_float, positive_int
-from hicache_ray.serve_options import ROUTERS
+from hicache_ray.serving.serve_options import ROUTERS
 
 __all__ = ["FAULT_SCENARIOS", "ROUTE_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
 

@@ -105,7 +105,7 @@ def _figures(prefix: str, run: RouteRun) -> list[Figure]:
 
 def run_route_bench(opts: RouteOptions, log: Callable[[str], None] = print) -> list[Figure]:
     """Every scenario with every router; the comparisons at the first replica count."""
-    from hicache_ray.model import preset
+    from hicache_ray.engine.model import preset
 
     vocab = preset(opts.model).vocab_size
     out: list[Figure] = []

@@ -20,10 +20,10 @@ from actors.deployment import Deployment
 from apps.bench.workload import random_tokens
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile, split_figures
-from hicache_ray.config import CacheConfig, MemoryConfig, StorageConfig, WriteConfig
-from hicache_ray.model import ModelConfig
-from hicache_ray.request import GenerateRequest, RequestResult
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, StorageConfig, WriteConfig
+from hicache_ray.engine.model import ModelConfig
+from hicache_ray.engine.request import GenerateRequest, RequestResult
+from hicache_ray.engine.spec import DeploymentConfig
 
 __all__ = ["deployment_figures"]
 

@@ -26,7 +26,7 @@ from apps.bench.serve_http_bench import run_http_modes
 from apps.bench.serve_options import ServeOptions, Turn, mode_figures
 from apps.multiturn.driver import mode_cache
 from apps.report import Figure, figure
-from hicache_ray.request import GenerateRequest
+from hicache_ray.engine.request import GenerateRequest
 
 __all__ = ["run_serve_bench"]
 

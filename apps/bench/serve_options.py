@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from apps.multiturn.options import ExperimentOptions
-from hicache_ray.config import PrefetchConfig
+from hicache_ray.base.config import PrefetchConfig
 
 if TYPE_CHECKING:
     from apps.report import Figure
-    from hicache_ray.request import TTFTSplit
+    from hicache_ray.engine.request import TTFTSplit
 
 __all__ = ["SERVE_MODES", "ServeOptions", "Turn", "mode_figures"]
 

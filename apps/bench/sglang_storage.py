@@ -29,10 +29,10 @@ import torch
 
 from apps.bench.storage_ceilings import RawRay, ensure_ray, warm_object_store
 from apps.report import Figure, figure
-from hicache_ray.config import RayStorageOptions
-from hicache_ray.integrations.host_layouts import HostGeometry, buffer_shape
+from hicache_ray.base.config import RayStorageOptions
+from hicache_ray.base.views import byte_view
+from hicache_ray.integrations.sglang.host_layouts import HostGeometry, buffer_shape
 from hicache_ray.keys import page_hashes
-from hicache_ray.memory.host_pool import byte_view
 
 __all__ = ["SGLangBenchOptions", "run_sglang_bench"]
 
@@ -95,7 +95,7 @@ class _Config:
 
 
 def run_sglang_bench(opts: SGLangBenchOptions, log: Callable[[str], None] = print) -> list[Figure]:
-    from hicache_ray.integrations.sglang import HiCacheRayStorage  # needs sglang
+    from hicache_ray.integrations.sglang.backend import HiCacheRayStorage  # needs sglang
 
     started = ensure_ray()
     store = f"bench-sglang-{os.getpid()}"

@@ -34,15 +34,15 @@ from apps.bench.storage_ceilings import (
     warm_object_store,
 )
 from apps.report import Figure, figure, fp16_kv, time_into
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     FileStorageOptions,
     MemoryConfig,
     RayStorageOptions,
     StorageConfig,
 )
+from hicache_ray.base.views import byte_view
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
-from hicache_ray.memory.host_pool import byte_view
 from hicache_ray.storage import StorageBackend, create_backend
 
 __all__ = ["StorageBenchOptions", "run_storage_bench"]

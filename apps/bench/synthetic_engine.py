@@ -1,7 +1,7 @@
 """An engine loop without a model: it writes synthetic KV and checks every cached read.
 
 Used by the single-process demo and by the tests. A real engine replaces ``compute`` with
-its forward pass; the calls into :class:`~hicache_ray.cache.HiCache` are the same.
+its forward pass; the calls into :class:`~hicache_ray.cache.hicache.HiCache` are the same.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from apps.bench.workload import synthetic_kv
-from hicache_ray.cache import CacheHandle, HiCache
+from hicache_ray.cache.handle import CacheHandle
+from hicache_ray.cache.hicache import HiCache
 
 __all__ = ["ReadbackError", "check_prefix", "compute", "serve"]
 

@@ -5,7 +5,7 @@ One vLLM worker of a Llama-3-8B-like model at TP=4 in a fleet of TP 4 and 8 (32 
 2 of 8 KV heads, head dim 128, 32-token blocks, bfloat16: 1 MiB per page, stored as two
 512 KiB head-group objects) saves and loads batches of 128 blocks between its paged KV
 (vLLM's CPU layout, ``cpu_vec``) and the store, through the connector's worker side
-(:class:`~hicache_ray.integrations.vllm_pages.BlockMover`, the code the connector runs in
+(:class:`~hicache_ray.integrations.vllm.pages.BlockMover`, the code the connector runs in
 ``wait_for_save`` and ``start_load_kv``). It needs no vLLM: the caches are tensors of
 vLLM's shape. The ceiling, in the same run and interleaved with it, is the raw Ray object
 store moving the same objects between the same blocks: one indexed gather per layer and
@@ -27,13 +27,13 @@ import torch
 
 from apps.bench.storage_ceilings import RawRay, ensure_ray, warm_object_store
 from apps.report import Figure, figure, time_into
-from hicache_ray.config import RayStorageOptions, StorageConfig
-from hicache_ray.integrations.sglang_setup import connect
-from hicache_ray.integrations.vllm_blocks import BlockMover
-from hicache_ray.integrations.vllm_pages import PageJob
+from hicache_ray.base.config import RayStorageOptions, StorageConfig
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.views import byte_view
+from hicache_ray.integrations.vllm.blocks import BlockMover
+from hicache_ray.integrations.vllm.pages import PageJob
 from hicache_ray.keys import page_hashes, plan_objects
-from hicache_ray.layout import ModelKV, Shard, ShardKV
-from hicache_ray.memory.host_pool import byte_view
+from hicache_ray.storage.registry import connect
 
 __all__ = ["VLLMBenchOptions", "run_vllm_bench"]
 

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from hicache_ray.layout import ShardKV
+from hicache_ray.base.layout import ShardKV
 
 __all__ = ["multi_turn_prompts", "random_tokens", "shared_prefix_requests", "synthetic_kv"]
 

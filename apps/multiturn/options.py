@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apps.multiturn.trace import Lengths, Trace, TraceConfig
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     FileStorageOptions,
     MemoryConfig,
@@ -17,7 +17,7 @@ from hicache_ray.config import (
     StorageConfig,
     WriteConfig,
 )
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 
 __all__ = ["MODES", "ExperimentOptions"]
 
@@ -88,7 +88,7 @@ class ExperimentOptions:
             self.deployment("check", cache, tp_size=tp)  # TP / PP against the model
 
     def trace(self, rounds: int) -> Trace:
-        from hicache_ray.model import preset
+        from hicache_ray.engine.model import preset
 
         model = preset(self.model)
         return Trace(
@@ -128,8 +128,8 @@ class ExperimentOptions:
 
     def deployment(self, name: str, cache: CacheConfig, **kw: Any) -> Any:
         """The ``actors.DeploymentConfig`` of one deployment of this run."""
-        from hicache_ray.model import preset
-        from hicache_ray.spec import DeploymentConfig
+        from hicache_ray.engine.model import preset
+        from hicache_ray.engine.spec import DeploymentConfig
 
         base = {"tp_size": self.tp_size, "pp_size": self.pp_size, **kw}
         return DeploymentConfig(name=name, model=preset(self.model), cache=cache, **base)

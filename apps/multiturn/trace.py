@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 
 __all__ = ["Lengths", "Trace", "TraceConfig"]
 

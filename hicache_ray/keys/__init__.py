@@ -8,7 +8,6 @@ from hicache_ray.keys.namespace import (
     make_namespace,
     sharing_grid,
 )
-from hicache_ray.keys.node_hashes import node_page_hashes
 from hicache_ray.keys.page_hash import page_hashes, salt_seed
 from hicache_ray.keys.plan import (
     KEY_SCHEMES,
@@ -31,7 +30,6 @@ __all__ = [
     "describe_sharing",
     "layer_chunks",
     "make_namespace",
-    "node_page_hashes",
     "page_hashes",
     "plan_objects",
     "plan_shard",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 
-from hicache_ray.tree.tokens import TOKEN_BYTES, TokenIds, encode_tokens
+from hicache_ray.base.tokens import TOKEN_BYTES, TokenIds, encode_tokens
 
 __all__ = ["page_hashes", "salt_seed"]
 

@@ -58,7 +58,7 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StorageBackend(ABC):
-    """Shared page storage (L3). Implementations are named in :mod:`hicache_ray.backends`."""
+    """Shared page storage (L3). Implementations are named in :mod:`hicache_ray.base.backends`."""
 
     name: str = "abstract"
 

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import xxhash
 
-from hicache_ray.errors import HiCacheError
-from hicache_ray.layout import DTYPES
-from hicache_ray.memory.host_pool import byte_view as payload_view
+from hicache_ray.base.errors import HiCacheError
+from hicache_ray.base.layout import DTYPES
+from hicache_ray.base.views import byte_view as payload_view
 
 __all__ = [
     "FORMAT_VERSION",

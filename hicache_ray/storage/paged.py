@@ -284,7 +284,7 @@ class PagedBackend(PageWrites, StorageBackend):
 
     @property
     def plan_dtype(self) -> torch.dtype:
-        from hicache_ray.layout import DTYPES
+        from hicache_ray.base.layout import DTYPES
 
         return DTYPES[self.plan.namespace.dtype]
 

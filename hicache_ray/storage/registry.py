@@ -1,8 +1,8 @@
 """The built-in storage backends and ``create_backend``.
 
-Backends are named in :mod:`hicache_ray.backends` (a ``"module:attribute"`` path each, the
-``ray`` one in the Ray layer), so a name resolves in every process without importing a
-module for its side effects.
+Backends are named in :mod:`hicache_ray.base.backends` (a ``"module:attribute"`` path each;
+the ``ray`` one is an entry point of the installed package), so a name resolves in every
+process without importing a module for its side effects.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hicache_ray.backends import backend_names, load_factory, register_backend
-from hicache_ray.config import StorageConfig
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.backends import backend_names, load_factory, register_backend
+from hicache_ray.base.config import StorageConfig
+from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage.base import StorageBackend, StorageStats
 from hicache_ray.storage.faults import FaultyObjects
@@ -26,6 +26,7 @@ __all__ = [
     "NullBackend",
     "backend_names",
     "create_backend",
+    "connect",
     "file_backend",
     "memory_backend",
     "null_backend",
@@ -99,3 +100,14 @@ def file_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
         metadata_ttl_s=opts.metadata_ttl_s,
         scan_on_start=opts.scan_on_start,
     )
+
+
+def connect(storage: StorageConfig, plan: ShardPlan) -> PagedBackend:
+    """The paged store ``storage`` names, for an engine's connector (SGLang, vLLM): the
+    ``ray`` store joins its Ray cluster if needed."""
+    backend = create_backend(storage, plan)
+    if not isinstance(backend, PagedBackend):
+        raise ConfigError(
+            "storage_backend", storage.backend, "not a paged store", "use ray, file or memory"
+        )
+    return backend

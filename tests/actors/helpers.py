@@ -6,15 +6,15 @@ import itertools
 
 import torch
 
-from apps.multiturn import exact
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     MemoryConfig,
     PrefetchConfig,
     RayStorageOptions,
     StorageConfig,
 )
-from hicache_ray.model import ModelConfig
+from hicache_ray.engine import reference
+from hicache_ray.engine.model import ModelConfig
 
 PAGE = 4
 # Four KV heads, so TP=1, 2 and 4 all tile them; two layers, so PP=2 holds one each.
@@ -53,4 +53,4 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def recompute(tokens: list[int], max_new: int) -> list[int]:
     """Greedy tokens of a no-cache TP=1 run in this process."""
-    return exact.recompute(MODEL, tokens, max_new)
+    return reference.recompute(MODEL, tokens, max_new)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from hicache_ray.cache_index import CacheIndex, Hits
+from hicache_ray.engine.request import GenerateRequest
 from hicache_ray.keys import page_hashes
-from hicache_ray.request import GenerateRequest
+from hicache_ray.serving.cache_index import CacheIndex, Hits
 from tests.actors.helpers import MODEL, PAGE, cache_config, prompt
 from tests.helpers import ensure_local_ray, wait_until
 

@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from hicache_ray.errors import ConfigError
-from hicache_ray.runtime import GenerateRequest
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.engine.runtime import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
 from tests.helpers import ensure_local_ray
 
@@ -175,8 +175,8 @@ def test_stats_command_and_prometheus_metrics(
 
     from actors.metrics import flatten_stats
     from apps.cli import main
-    from hicache_ray.metrics import METRICS
-    from hicache_ray.stats import CacheStats, ControllerStats
+    from hicache_ray.base.metrics import METRICS
+    from hicache_ray.base.stats import CacheStats, ControllerStats
     from tests.helpers import wait_until
 
     tp2.generate([GenerateRequest("m1", prompt(11, 20), 2)])

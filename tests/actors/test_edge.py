@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from hicache_ray.config import Fault, PrefetchConfig
-from hicache_ray.request import GenerateRequest
+from hicache_ray.base.config import Fault, PrefetchConfig
+from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
 from tests.engine.test_request import BAD
 from tests.helpers import ensure_local_ray, wait_until

@@ -1,4 +1,4 @@
-"""Metrics: one list (hicache_ray.metrics.METRICS) defines them, the rank publishes exactly
+"""Metrics: one list (hicache_ray.base.metrics.METRICS) defines them, the rank publishes exactly
 those with their Prometheus types, and the docs table is generated from the same list."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from actors.metrics import flatten_stats
-from hicache_ray.metrics import METRICS, markdown_table
-from hicache_ray.runtime import GenerateRequest
-from hicache_ray.stats import CacheStats, ControllerStats
+from hicache_ray.base.metrics import METRICS, markdown_table
+from hicache_ray.base.stats import CacheStats, ControllerStats
+from hicache_ray.engine.runtime import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, store_name
 from tests.helpers import wait_until
 

@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from hicache_ray.openai.protocol import ChatRequest, CompletionRequest, Message, OpenAIError
-from hicache_ray.openai.text import IdText, TextCodec
+from hicache_ray.serving.openai.protocol import ChatRequest, CompletionRequest, Message, OpenAIError
+from hicache_ray.serving.openai.text import IdText, TextCodec
 from tests.actors.helpers import MODEL
 
 actors = pytest.importorskip("actors")

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from hicache_ray.cache_index import Hits, RouteWeights, rank_replicas
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import page_hashes
-from hicache_ray.serve_options import serve_ingresses, serve_replicas
+from hicache_ray.serving.cache_index import Hits, RouteWeights, rank_replicas
+from hicache_ray.serving.serve_options import serve_ingresses, serve_replicas
 from tests.helpers import ensure_local_ray, wait_until
 
 ray = pytest.importorskip("ray")
@@ -247,7 +247,7 @@ def test_a_replica_silent_for_long_is_forgotten_by_the_index(
     """A replica killed without a goodbye stops asking its position (the publisher's
     heartbeat); after ``SILENT_S`` its pages leave the index."""
     from actors.routing import SILENT_S, IndexActor
-    from hicache_ray.events import BlockStored, EventBatch, KVEventBatch
+    from hicache_ray.cache.events import BlockStored, EventBatch, KVEventBatch
 
     now = [100.0]
     monkeypatch.setattr("actors.routing.time.monotonic", lambda: now[0])

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hicache_ray.request import GenerateRequest, RequestResult
+from hicache_ray.engine.request import GenerateRequest, RequestResult
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute
 from tests.helpers import ensure_local_ray
 

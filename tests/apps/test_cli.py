@@ -101,7 +101,7 @@ def test_explicit_flags_beat_quick() -> None:
 
 def test_the_cli_knows_what_the_code_knows() -> None:
     from apps.multiturn.options import ExperimentOptions
-    from hicache_ray.model import PRESETS
+    from hicache_ray.engine.model import PRESETS
 
     assert set(MODEL_PRESETS) == set(PRESETS)
     assert ExperimentOptions().model in PRESETS

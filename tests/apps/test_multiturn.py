@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from apps.multiturn.oracle import OracleRequest, lru_hit_tokens
 from apps.multiturn.trace import Lengths, Trace, TraceConfig
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 
 
 def test_lengths_parse_and_refuse() -> None:

@@ -1,7 +1,7 @@
 """A controller driven as the runtime's request table drives it, by request id.
 
 The controller keeps no registry of requests: the scheduler keeps each admitted request's
-:class:`~hicache_ray.controller.PrefixClaim` and passes them back every step. ``Driven``
+:class:`~hicache_ray.cache.controller.PrefixClaim` and passes them back every step. ``Driven``
 plays that part for the controller tests (the claims by id, in admission order), so a test
 says ``take("r")`` where the runtime takes the claim of its record ``r``.
 """
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_ray.cache import CacheHandle
-from hicache_ray.controller import CacheController, PrefixClaim
-from hicache_ray.errors import HiCacheError
+from hicache_ray.base.errors import HiCacheError
+from hicache_ray.cache.controller import CacheController, PrefixClaim
+from hicache_ray.cache.handle import CacheHandle
 
 
 @dataclass

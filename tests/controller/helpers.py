@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hicache_ray.cache import CacheHandle
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     Fault,
     MemoryConfig,
@@ -22,9 +21,10 @@ from hicache_ray.config import (
     StorageConfig,
     WriteConfig,
 )
-from hicache_ray.controller import Arrival, CacheController, Consensus
+from hicache_ray.base.layout import ShardKV
+from hicache_ray.cache.controller import Arrival, CacheController, Consensus
+from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.keys import page_hashes, plan_shard
-from hicache_ray.layout import ShardKV
 from hicache_ray.storage import FaultyObjects, ObjectStore, PagedBackend
 from tests.conftest import make_kv
 from tests.controller.driven import Driven

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from hicache_ray.config import Fault
-from hicache_ray.controller import (
+from hicache_ray.base.config import Fault
+from hicache_ray.cache.controller import (
     ConsensusError,
     GlooConsensus,
     start_rendezvous,

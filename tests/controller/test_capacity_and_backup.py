@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from hicache_ray.config import Fault
-from hicache_ray.controller import Arrival
-from hicache_ray.errors import HiCacheError
+from hicache_ray.base.config import Fault
+from hicache_ray.base.errors import HiCacheError
+from hicache_ray.cache.controller import Arrival
 from hicache_ray.keys import page_hashes, plan_shard
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv

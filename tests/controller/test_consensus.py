@@ -6,8 +6,13 @@ import socket
 
 import pytest
 
-from hicache_ray.controller import ConsensusError, GlooConsensus, LocalConsensus, start_rendezvous
-from hicache_ray.controller.protocol import Header
+from hicache_ray.cache.controller import (
+    ConsensusError,
+    GlooConsensus,
+    LocalConsensus,
+    start_rendezvous,
+)
+from hicache_ray.cache.controller.protocol import Header
 
 
 def test_local_consensus_is_the_identity() -> None:

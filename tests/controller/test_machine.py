@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache_ray.cache import CacheFullError
-from hicache_ray.config import Fault
-from hicache_ray.controller import Arrival
+from hicache_ray.base.config import Fault
+from hicache_ray.cache.controller import Arrival
+from hicache_ray.cache.handle import CacheFullError
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_ray.config import Fault
-from hicache_ray.controller import Arrival
+from hicache_ray.base.config import Fault
+from hicache_ray.cache.controller import Arrival
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (

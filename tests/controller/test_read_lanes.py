@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache_ray.controller import reads
-from hicache_ray.controller.reads import leading
+from hicache_ray.cache.controller import reads
+from hicache_ray.cache.controller.reads import leading
 from hicache_ray.keys import page_hashes
 from hicache_ray.storage import MemoryObjects
 from hicache_ray.storage.objects import ReadOutcome

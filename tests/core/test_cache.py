@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from apps.bench.synthetic_engine import check_prefix, compute, serve
-from hicache_ray.cache import CacheFullError, CacheHandle, HiCache
-from hicache_ray.errors import HiCacheError
-from hicache_ray.memory import HostPool
+from hicache_ray.base.errors import HiCacheError
+from hicache_ray.cache.handle import CacheFullError, CacheHandle
+from hicache_ray.cache.hicache import HiCache
+from hicache_ray.cache.memory import HostPool
 from tests.conftest import CPU, make_config, make_kv
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]
@@ -101,7 +102,7 @@ def _with_flaky_host(cache: HiCache) -> _FlakyHost:
     flaky = _FlakyHost(cache.kv, cache.host_pool.num_pages, "page_first")
     cache.host_pool = flaky
     cache.transfers.close()
-    from hicache_ray.memory import TransferEngine
+    from hicache_ray.cache.memory import TransferEngine
 
     cache.transfers = TransferEngine(cache.device_pool, flaky)
     return flaky

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     MemoryConfig,
     PrefetchConfig,
@@ -12,8 +12,8 @@ from hicache_ray.config import (
     WriteConfig,
     compatible_io_backends,
 )
-from hicache_ray.errors import ConfigError
-from hicache_ray.layout import ModelKV, Shard, ShardKV, host_pool_pages
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV, host_pool_pages
 from tests.conftest import make_config, make_kv
 
 BAD_MEMORY = [
@@ -166,7 +166,7 @@ def test_config_errors_survive_pickling() -> None:
     ],
 )
 def test_bad_ray_storage_options(kwargs: dict[str, object], needle: str) -> None:
-    from hicache_ray.config import RayStorageOptions
+    from hicache_ray.base.config import RayStorageOptions
 
     with pytest.raises(ConfigError, match=needle):
         RayStorageOptions(**kwargs)  # type: ignore[arg-type]
@@ -184,19 +184,19 @@ def test_bad_ray_storage_options(kwargs: dict[str, object], needle: str) -> None
     ],
 )
 def test_bad_deployment_configs(kwargs: dict[str, object], needle: str) -> None:
-    spec = pytest.importorskip("hicache_ray.spec")
+    spec = pytest.importorskip("hicache_ray.engine.spec")
     with pytest.raises(ConfigError, match=needle):
         spec.DeploymentConfig(**kwargs)
 
 
 # Every invalid setting the deployment-edge review found: (factory, kwargs, field named).
 def _deployment(**kwargs: object) -> object:
-    spec = pytest.importorskip("hicache_ray.spec")
+    spec = pytest.importorskip("hicache_ray.engine.spec")
     return spec.DeploymentConfig(**kwargs)
 
 
 def _storage_deployment(**storage: object) -> object:
-    from hicache_ray.model import ModelConfig
+    from hicache_ray.engine.model import ModelConfig
 
     model = ModelConfig(num_heads=4, num_kv_heads=4)
     cache = CacheConfig(storage=StorageConfig(backend="memory", model_id="m", **storage))
@@ -244,7 +244,7 @@ def test_every_invalid_setting_is_a_config_error(factory, kwargs, field) -> None
 
 def test_pools_of_a_cpu_device_must_fit_the_host_budget_together() -> None:
     # the README's first example: 32 layers x 8 KV heads x 128 fp16, 65,536 device tokens
-    from hicache_ray.cache import HiCache
+    from hicache_ray.cache.hicache import HiCache
 
     kv = ShardKV(
         model=ModelKV(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_ray.cache_index import CacheIndex, Hits
-from hicache_ray.events import (
+from hicache_ray.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -22,8 +21,9 @@ from hicache_ray.events import (
     KVEventBatch,
     check_position,
 )
-from hicache_ray.keys import node_page_hashes, page_hashes
-from hicache_ray.tree import HiRadixTree, TreeNode
+from hicache_ray.cache.tree import HiRadixTree, TreeNode, node_page_hashes
+from hicache_ray.keys import page_hashes
+from hicache_ray.serving.cache_index import CacheIndex, Hits
 
 PAGE = 2
 SALT = "tenant-a"

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from hicache_ray.config import Fault
-from hicache_ray.integrations.vllm_blocks import LayerByLayer
-from hicache_ray.integrations.vllm_pages import PageJob
+from hicache_ray.base.config import Fault
+from hicache_ray.integrations.vllm.blocks import LayerByLayer
+from hicache_ray.integrations.vllm.pages import PageJob
 from hicache_ray.keys import page_hashes
 from hicache_ray.storage import FaultyObjects, MemoryObjects
 from tests.core.vllm_kit import (

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_ray.config import Fault
-from hicache_ray.errors import ConfigError
-from hicache_ray.integrations.vllm_pages import PageJob, PagePlanner
-from hicache_ray.integrations.vllm_setup import (
+from hicache_ray.base.config import Fault
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.integrations.vllm.pages import PageJob, PagePlanner
+from hicache_ray.integrations.vllm.setup import (
     layer_index,
     model_kv,
     parse_options,

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from hicache_ray.config import StorageConfig
-from hicache_ray.integrations.vllm_blocks import BlockMover
-from hicache_ray.integrations.vllm_setup import slot_views
+from hicache_ray.base.config import StorageConfig
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.integrations.vllm.blocks import BlockMover
+from hicache_ray.integrations.vllm.setup import slot_views
 from hicache_ray.keys import ShardPlan, plan_objects
-from hicache_ray.layout import ModelKV, Shard, ShardKV
 from hicache_ray.storage import MemoryObjects, PagedBackend
 
 LAYERS, HEADS, DIM, PAGE, BLOCKS = 3, 4, 32, 16, 12

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from hicache_ray.compose import RankPlace, compose_rank
-from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig
-from hicache_ray.controller import start_rendezvous
-from hicache_ray.model import preset
-from hicache_ray.runtime import GenerateRequest
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
+from hicache_ray.cache.controller import start_rendezvous
+from hicache_ray.engine.compose import RankPlace, compose_rank
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.runtime import GenerateRequest
+from hicache_ray.engine.spec import DeploymentConfig
 
 PAGE = 4
 MODEL = preset("tiny")

@@ -7,8 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.compose import compose_rank
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     MemoryConfig,
     PrefetchConfig,
@@ -16,10 +15,11 @@ from hicache_ray.config import (
     StorageConfig,
     WriteConfig,
 )
-from hicache_ray.model import preset
-from hicache_ray.request import GenerateRequest, RequestResult, SamplingParams
-from hicache_ray.runtime import RankRuntime
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.engine.compose import compose_rank
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.request import GenerateRequest, RequestResult, SamplingParams
+from hicache_ray.engine.runtime import RankRuntime
+from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
 from tests.engine.test_runtime import TOL, prompt, reference
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_ray.compose import RankPlace, compose_rank, rank_device
-from hicache_ray.events import BlockStored
-from hicache_ray.model import preset
-from hicache_ray.request import GenerateRequest
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.cache.events import BlockStored
+from hicache_ray.engine.compose import RankPlace, compose_rank, rank_device
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.request import GenerateRequest
+from hicache_ray.engine.spec import DeploymentConfig
 
 
 def test_ranks_of_a_larger_deployment_need_a_store_to_meet_on() -> None:

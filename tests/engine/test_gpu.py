@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_ray.compose import RankPlace, compose_rank
-from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
-from hicache_ray.model import preset
-from hicache_ray.runtime import GenerateRequest, RankRuntime
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
+from hicache_ray.engine.compose import RankPlace, compose_rank
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.runtime import GenerateRequest, RankRuntime
+from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
 from tests.engine.test_runtime import run
 
@@ -56,7 +56,7 @@ def test_reuse_from_every_tier_on_cuda_equals_recompute() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between two ranks needs 2 GPUs")
 def test_tp2_on_two_gpus_uses_nccl_and_equals_recompute(ray_local: None) -> None:
     actors = pytest.importorskip("actors")
-    from apps.multiturn.exact import recompute
+    from hicache_ray.engine.reference import recompute
 
     config = actors.DeploymentConfig(
         name="gpu-tp2",

@@ -1,4 +1,4 @@
-"""Every request is checked by type and range where it enters (hicache_ray.request)."""
+"""Every request is checked by type and range where it enters (hicache_ray.engine.request)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_ray.request import (
+from hicache_ray.engine.request import (
     GenerateRequest,
     RequestError,
     check_batch,

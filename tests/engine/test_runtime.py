@@ -6,8 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.compose import compose_rank
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     Fault,
     MemoryConfig,
@@ -15,9 +14,10 @@ from hicache_ray.config import (
     StorageConfig,
     WriteConfig,
 )
-from hicache_ray.model import preset
-from hicache_ray.runtime import GenerateRequest, RankRuntime, RequestResult
-from hicache_ray.spec import DeploymentConfig
+from hicache_ray.engine.compose import compose_rank
+from hicache_ray.engine.model import preset
+from hicache_ray.engine.runtime import GenerateRequest, RankRuntime, RequestResult
+from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import FaultyObjects, MemoryObjects
 
 PAGE = 4
@@ -231,12 +231,12 @@ def test_a_request_waiting_on_its_prefetch_does_not_hold_others_back() -> None:
 
 def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission encodes the prompt; take, the tree walks and finish reuse the key."""
-    import hicache_ray.cache
-    import hicache_ray.controller.claims
+    import hicache_ray.cache.controller.claims
+    import hicache_ray.cache.hicache
+    import hicache_ray.cache.tree.radix_tree
+    import hicache_ray.engine.runtime
     import hicache_ray.keys.page_hash
-    import hicache_ray.runtime
-    import hicache_ray.tree.radix_tree
-    from hicache_ray.tree.tokens import encode_tokens
+    from hicache_ray.base.tokens import encode_tokens
 
     tokens = prompt(7, 30)
     encoded: list[int] = []
@@ -247,11 +247,11 @@ def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -
         return encode_tokens(ids)  # type: ignore[arg-type]
 
     for module in (
-        hicache_ray.cache,
-        hicache_ray.controller.claims,
+        hicache_ray.cache.hicache,
+        hicache_ray.cache.controller.claims,
         hicache_ray.keys.page_hash,
-        hicache_ray.runtime,
-        hicache_ray.tree.radix_tree,
+        hicache_ray.engine.runtime,
+        hicache_ray.cache.tree.radix_tree,
     ):
         monkeypatch.setattr(module, "encode_tokens", counting)
     rt = runtime(MemoryObjects())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache_ray.request import SamplingParams
-from hicache_ray.sampling import RequestSampler, request_seed
+from hicache_ray.engine.request import SamplingParams
+from hicache_ray.engine.sampling import RequestSampler, request_seed
 
 
 def test_greedy_is_argmax_and_top_k_one_is_greedy() -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hicache_ray.request import ErrorKind, GenerateRequest, SamplingParams
-from hicache_ray.sampling import RequestSampler
-from hicache_ray.scheduler import Phase, RankRequest, RequestTable, plan_batch
+from hicache_ray.engine.request import ErrorKind, GenerateRequest, SamplingParams
+from hicache_ray.engine.sampling import RequestSampler
+from hicache_ray.engine.scheduler import Phase, RankRequest, RequestTable, plan_batch
 
 
 def _request(rid: str, prompt: int, max_new: int = 4) -> RankRequest:

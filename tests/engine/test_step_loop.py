@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from hicache_ray.step_loop import StepLoop, StepLoopStopped
+from hicache_ray.engine.step_loop import StepLoop, StepLoopStopped
 
 
 class Recorder:

@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from hicache_ray.integrations.sglang import HiCacheRayStorage
+from hicache_ray.integrations.sglang.backend import HiCacheRayStorage
 
 PAGE = 4
 HEADS = 8  # MHA KV heads of the whole model

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 from tests.integrations.helpers import (
     HEADS,
     LAYERS,

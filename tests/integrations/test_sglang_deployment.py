@@ -18,7 +18,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     FileStorageOptions,
     MemoryConfig,
@@ -26,11 +26,11 @@ from hicache_ray.config import (
     RayStorageOptions,
     StorageConfig,
 )
-from hicache_ray.controller import CacheController
+from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.cache.controller import CacheController
+from hicache_ray.engine.model import ReferenceModel
+from hicache_ray.engine.runtime import GenerateRequest, RankRuntime
 from hicache_ray.keys import plan_shard
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.model import ReferenceModel
-from hicache_ray.runtime import GenerateRequest, RankRuntime
 from hicache_ray.storage import create_backend
 from tests.actors.helpers import MODEL, PAGE, cache_config, prompt, recompute, store_name
 from tests.helpers import wait_until

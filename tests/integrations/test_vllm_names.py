@@ -9,15 +9,15 @@ from pathlib import Path
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from hicache_ray.integrations.vllm_pages import PagePlanner
-from hicache_ray.integrations.vllm_setup import (
+from hicache_ray.base.layout import ModelKV
+from hicache_ray.integrations.vllm.pages import PagePlanner
+from hicache_ray.integrations.vllm.setup import (
     parse_options,
     rank_plan,
     storage_config,
     tp_suffixes,
 )
 from hicache_ray.keys import page_hashes
-from hicache_ray.layout import ModelKV
 from hicache_ray.storage import PagedBackend, create_backend
 from tests.integrations.helpers import HEAD_DIM, HEADS, LAYERS, PAGE, attach, host_pool
 from tests.integrations.helpers import storage_config as sglang_config

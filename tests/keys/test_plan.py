@@ -3,8 +3,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from hicache_ray.config import CacheConfig, MemoryConfig, StorageConfig
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.config import CacheConfig, MemoryConfig, StorageConfig
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV
 from hicache_ray.keys import (
     KVCacheNamespace,
     ShardPlan,
@@ -13,7 +14,6 @@ from hicache_ray.keys import (
     plan_shard,
     sharing_grid,
 )
-from hicache_ray.layout import ModelKV, Shard, ShardKV
 
 
 def _kv(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, *, heads=8, layers=8, mla=False, cp=1):

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_ray.errors import AllocatorError
-from hicache_ray.memory import PageAllocator
+from hicache_ray.base.errors import AllocatorError
+from hicache_ray.cache.memory import PageAllocator
 
 
 def test_allocates_lowest_ids_and_merges_frees_lazily() -> None:

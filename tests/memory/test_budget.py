@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_ray.memory.budget import GiB, cgroup_memory, host_memory_budget, reserve_bytes
+from hicache_ray.cache.memory.budget import GiB, cgroup_memory, host_memory_budget, reserve_bytes
 
 
 def test_reserve_is_10_gib_on_big_hosts_else_ten_percent() -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_ray.memory import DevicePool, HostPool
+from hicache_ray.cache.memory import DevicePool, HostPool
 from tests.conftest import CPU, make_kv
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_ray.errors import TransferError
-from hicache_ray.layout import ShardKV
-from hicache_ray.memory import DevicePool, HostPool, TransferEngine, page_runs
+from hicache_ray.base.errors import TransferError
+from hicache_ray.base.layout import ShardKV
+from hicache_ray.cache.memory import DevicePool, HostPool, TransferEngine, page_runs
 from tests.conftest import CPU, make_kv
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from hicache_ray.layout import Shard
-from hicache_ray.model import ReferenceModel
+from hicache_ray.base.layout import Shard
+from hicache_ray.engine.model import ReferenceModel
 
 VOCAB = 320
 CHAT_TEMPLATE = (

@@ -14,16 +14,16 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
-from hicache_ray.controller import CacheController
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.cache.controller import CacheController
+from hicache_ray.cache.memory import DevicePool
+from hicache_ray.engine.model import ReferenceModel
+from hicache_ray.engine.model.checkpoint import load_config, resolve_model
+from hicache_ray.engine.request import GenerateRequest
+from hicache_ray.engine.runtime import RankRuntime
 from hicache_ray.keys import plan_shard
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.memory import DevicePool
-from hicache_ray.model import ReferenceModel
-from hicache_ray.model.checkpoint import load_config, resolve_model
-from hicache_ray.request import GenerateRequest
-from hicache_ray.runtime import RankRuntime
 from hicache_ray.storage import MemoryObjects, PagedBackend
 
 pytest.importorskip("transformers")

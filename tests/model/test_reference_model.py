@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_ray.errors import ConfigError
-from hicache_ray.layout import Shard, ShardKV
-from hicache_ray.memory import DevicePool
-from hicache_ray.model import ModelConfig, ReferenceModel, attention, paged_attention, preset
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.cache.memory import DevicePool
+from hicache_ray.engine.model import ModelConfig, ReferenceModel, attention, paged_attention, preset
 from tests.model.helpers import tp2_forward
 
 PAGE = 4

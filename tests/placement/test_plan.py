@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 from placement.plan import order_ranks, plan_stages, rank_bundle
 
 GPU_NODE = {"CPU": 16.0, "GPU": 8.0}

@@ -13,15 +13,15 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     Fault,
     MemoryConfig,
     RayStorageOptions,
     StorageConfig,
 )
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
-from hicache_ray.layout import ModelKV, Shard, ShardKV
 from hicache_ray.storage import (
     FaultyObjects,
     FileObjects,

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from hicache_ray.config import Fault
+from hicache_ray.base.config import Fault
 from hicache_ray.storage import FaultyObjects
 from hicache_ray.storage.page_format import encode_header, payload_view
 from tests.storage.conftest import (

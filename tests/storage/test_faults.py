@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.config import Fault, FileStorageOptions, StorageConfig
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.config import Fault, FileStorageOptions, StorageConfig
+from hicache_ray.base.errors import ConfigError
 from hicache_ray.storage import (
     FaultyObjects,
     InjectedFault,

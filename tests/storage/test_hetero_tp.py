@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hicache_ray.config import CacheConfig, MemoryConfig, StorageConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, StorageConfig
+from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.cache.memory import HostPool
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
-from hicache_ray.layout import ModelKV, Shard, ShardKV
-from hicache_ray.memory import HostPool
 from hicache_ray.storage import MemoryObjects, PagedBackend
 
 PAGE = 4

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_ray.tree import HiRadixTree
+from hicache_ray.cache.tree import HiRadixTree
 
 PAGE = 2
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_ray.tree import HiRadixTree
-from hicache_ray.tree.tokens import decode_tokens, encode_tokens
+from hicache_ray.base.tokens import decode_tokens, encode_tokens
+from hicache_ray.cache.tree import HiRadixTree
 
 P = 2  # page size: small so splits are easy to write down
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from hicache_ray.errors import ConfigError
+from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import page_hashes
 from tests.vllm.helpers import (
     PAGE,
@@ -92,7 +92,7 @@ def test_bad_extra_config_fails_at_start(checkpoint: Path) -> None:
 def test_worker_counts_reach_prometheus_through_vllms_stats() -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from hicache_ray.integrations.vllm import HiCacheRayConnector
+    from hicache_ray.integrations.vllm.connector import HiCacheRayConnector
 
     registry = CollectorRegistry()
 
@@ -112,7 +112,7 @@ def test_worker_counts_reach_prometheus_through_vllms_stats() -> None:
 
 
 def test_requests_whose_kv_is_not_their_tokens_alone_are_not_shared() -> None:
-    from hicache_ray.integrations.vllm import _shareable
+    from hicache_ray.integrations.vllm.connector import _shareable
 
     plain = {"prompt_token_ids": [1, 2], "mm_features": None, "lora_request": None}
     assert _shareable(SimpleNamespace(**plain, prompt_embeds=None))

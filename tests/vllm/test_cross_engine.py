@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 
 from actors import Deployment, DeploymentConfig, drop_store
-from apps.multiturn import exact
-from hicache_ray.config import (
+from hicache_ray.base.config import (
     CacheConfig,
     FileStorageOptions,
     MemoryConfig,
     PrefetchConfig,
     StorageConfig,
 )
+from hicache_ray.engine.model.checkpoint import load_config
+from hicache_ray.engine.reference import recompute
+from hicache_ray.engine.request import GenerateRequest
 from hicache_ray.keys import page_hashes
-from hicache_ray.model.checkpoint import load_config
-from hicache_ray.request import GenerateRequest
 from tests.vllm.helpers import (
     MODEL_ID,
     PAGE,
@@ -74,7 +74,7 @@ def test_vllm_and_deployments_load_each_others_pages(
     with engine(checkpoint, file_store(tmp_path)) as llm:
         generate(llm, ours)
         reference, _ = generate(llm, theirs, salt="nothing-shared")
-    expected = exact.recompute(load_config(str(checkpoint)), ours, 8)
+    expected = recompute(load_config(str(checkpoint)), ours, 8)
     for tp in (1, 2):
         dep = _deployment(checkpoint, tmp_path, tp)
         try:
@@ -118,7 +118,7 @@ def test_a_dropped_ray_store_is_a_miss_and_vllm_keeps_serving(
 def test_synchronous_loads_are_placed_layer_by_layer_as_the_forward_reaches_them(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hicache_ray.integrations.vllm_blocks import LayerByLayer
+    from hicache_ray.integrations.vllm.blocks import LayerByLayer
 
     waited: list[int] = []
     wait = LayerByLayer.wait

@@ -173,7 +173,7 @@ def test_bench_serve_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
 
 def test_runtime_on_deployments_times_l1_hits_at_each_tp(ray_local: None) -> None:
     from apps.bench.runtime_tp import deployment_figures
-    from hicache_ray.model import preset
+    from hicache_ray.engine.model import preset
 
     found = deployment_figures(preset("tiny4"), (2,), 32, 8, 4, hits=2, log=lambda _: None)
     by_name = {f.name: f for f in found}

@@ -1,0 +1,266 @@
+"""Counters and gauges of one rank's cache.
+
+``CacheStats`` doubles as the live counters of the L1/L2 cache (mutated only by the cache's
+own thread) and, through :meth:`CacheStats.snapshot`, as the copy handed to anyone else.
+``ControllerStats`` adds the L3 pipelines, the consensus and pool gauges; it is what a rank
+publishes (every field is documented in the README's metrics table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+__all__ = [
+    "UNFULFILLED_REASONS",
+    "CacheStats",
+    "ControllerStats",
+    "Published",
+    "RankHealth",
+    "ShardStats",
+    "counter",
+    "gauge",
+]
+
+# Why pages L3 holds were not prefetched (one metric each: docs/metrics.md).
+UNFULFILLED_REASONS = (
+    "host_capacity",  # the host pool had no room, even after evicting host-only pages
+    "prefetch_quota",  # running prefetches already hold max_host_fraction of the host pool
+    "peer_miss",  # this rank found the pages, another rank did not (the MIN agreed fewer)
+    "read_failed",  # a read or verification failed on some rank (a corrupt page is a miss)
+    "terminated",  # the request ran before the prefetch finished (best_effort / timeout)
+)
+
+
+@dataclass(frozen=True)
+class Published:
+    """How a stats field is published as a metric (:mod:`hicache_ray.base.metrics` reads these
+    annotations: a new counter is one annotated field). ``name`` is without the
+    ``hicache_`` prefix and a counter's ``_total``; a dict field is one metric per key
+    (``{key}`` in the name and help)."""
+
+    kind: Literal["counter", "gauge"]
+    name: str
+    help: str
+    keys: tuple[str, ...] = ()  # a dict field's keys (one metric each)
+
+
+def counter(name: str, text: str, keys: tuple[str, ...] = ()) -> Published:
+    return Published("counter", name, text, keys)
+
+
+def gauge(name: str, text: str) -> Published:
+    return Published("gauge", name, text)
+
+
+class CacheStats(msgspec.Struct, kw_only=True):
+    """Counts since the cache started (L1 and L2); latencies are summed over their copies."""
+
+    device_hit_tokens: Annotated[
+        int, counter("device_hit_tokens", "Prompt tokens served from L1 (tokens)")
+    ] = 0
+    host_hit_tokens: Annotated[
+        int,
+        counter("host_hit_tokens", "Prompt tokens loaded from L2, L3 refills included (tokens)"),
+    ] = 0
+    loaded_pages: Annotated[int, counter("l2_to_l1_pages", "Pages copied L2 -> L1 (pages)")] = 0
+    bytes_loaded: Annotated[int, counter("l2_to_l1_bytes", "Bytes copied L2 -> L1 (bytes)")] = 0
+    loads: Annotated[int, counter("l2_to_l1_copies", "L2 -> L1 copy jobs (copies)")] = 0
+    load_latency_s: Annotated[
+        float, counter("l2_to_l1_seconds", "Time spent in L2 -> L1 copy jobs (seconds)")
+    ] = 0.0
+    written_pages: Annotated[int, counter("l1_to_l2_pages", "Pages copied L1 -> L2 (pages)")] = 0
+    bytes_written: Annotated[int, counter("l1_to_l2_bytes", "Bytes copied L1 -> L2 (bytes)")] = 0
+    writes: Annotated[int, counter("l1_to_l2_copies", "L1 -> L2 copy jobs (copies)")] = 0
+    write_latency_s: Annotated[
+        float, counter("l1_to_l2_seconds", "Time spent in L1 -> L2 copy jobs (seconds)")
+    ] = 0.0
+    device_evicted_pages: Annotated[
+        int, counter("l1_evicted_pages", "Pages evicted from L1 (pages)")
+    ] = 0
+    host_evicted_pages: Annotated[
+        int, counter("l2_evicted_pages", "Pages evicted from L2 (pages)")
+    ] = 0
+    load_failures: Annotated[
+        int, counter("l2_to_l1_failures", "L2 -> L1 copies that failed (copies)")
+    ] = 0
+    write_failures: Annotated[
+        int, counter("l1_to_l2_failures", "L1 -> L2 copies that failed (copies)")
+    ] = 0
+    load_skipped_device_full: Annotated[
+        int, counter("l2_to_l1_skipped_l1_full", "Loads skipped: L1 had no room (loads)")
+    ] = 0
+    write_skipped_host_full: Annotated[
+        int, counter("l1_to_l2_skipped_l2_full", "Writes skipped: L2 had no room (writes)")
+    ] = 0
+
+    def snapshot(self) -> CacheStats:
+        """An independent copy."""
+        return msgspec.structs.replace(self)
+
+
+class ControllerStats(msgspec.Struct, kw_only=True):
+    """One rank's full picture: L1/L2 counters, L3 pipelines, consensus, pool gauges."""
+
+    cache: CacheStats
+    steps: Annotated[int, counter("steps", "Scheduler steps (steps)")] = 0
+    full_steps: Annotated[
+        int, counter("full_steps", "Steps where some rank had new facts (steps)")
+    ] = 0
+    consensus_s: Annotated[
+        float, counter("consensus_seconds", "Time in the cross-rank agreement (seconds)")
+    ] = 0.0
+    requests: Annotated[int, counter("requests", "Requests admitted (requests)")] = 0
+    storage_hit_tokens: Annotated[
+        int, counter("l3_hit_tokens", "Prompt tokens taken from L3, agreed by every rank (tokens)")
+    ] = 0
+    prefetched_pages: Annotated[
+        int, counter("l3_prefetched_pages", "Pages read from L3 on this rank (pages)")
+    ] = 0
+    prefetched_bytes: Annotated[
+        int, counter("l3_prefetched_bytes", "Bytes read from L3 on this rank (bytes)")
+    ] = 0
+    prefetch_latency_s: Annotated[
+        float,
+        counter(
+            "l3_prefetch_wait_seconds",
+            "Admission to take, summed over prefetched requests (seconds)",
+        ),
+    ] = 0.0
+    prefetch_query_failures: Annotated[
+        int, counter("l3_query_failures", "L3 existence queries that failed (queries)")
+    ] = 0
+    unfulfilled_tokens: Annotated[
+        dict[str, int],
+        counter(
+            "l3_unfulfilled_tokens_{key}",
+            "L3 hit tokens not prefetched: {key} (tokens)",
+            keys=UNFULFILLED_REASONS,
+        ),
+    ] = msgspec.field(default_factory=lambda: dict.fromkeys(UNFULFILLED_REASONS, 0))
+    refills_dropped: Annotated[
+        int,
+        counter("l3_refills_dropped", "L3 refills dropped under a node not backed up (refills)"),
+    ] = 0
+    backed_up_pages: Annotated[
+        int,
+        counter("l3_backed_up_pages", "Pages stored (or found stored) in L3 by every rank (pages)"),
+    ] = 0
+    backup_bytes: Annotated[int, counter("l3_backup_bytes", "Bytes written to L3 (bytes)")] = 0
+    backup_failures: Annotated[
+        int, counter("l3_backup_failures", "Backups that stopped early on some rank (backups)")
+    ] = 0
+    backup_skipped_gap: Annotated[
+        int,
+        counter("l3_backup_skipped_gap", "Backups skipped: the parent page is not in L3 (backups)"),
+    ] = 0
+    peer_failures: Annotated[
+        int,
+        counter(
+            "peer_failures", "Steps where another rank reported a failure this rank did not (steps)"
+        ),
+    ] = 0
+    device_pages_used: Annotated[int, gauge("l1_pages_used", "L1 pages in use (pages)")] = 0
+    device_pages_total: Annotated[int, gauge("l1_pages", "L1 pages (pages)")] = 0
+    host_pages_used: Annotated[int, gauge("l2_pages_used", "L2 pages in use (pages)")] = 0
+    host_pages_total: Annotated[int, gauge("l2_pages", "L2 pages (pages)")] = 0
+    host_pages_prefetching: Annotated[
+        int, gauge("l2_pages_prefetching", "L2 pages held by running L3 prefetches (pages)")
+    ] = 0
+    running_prefetches: Annotated[
+        int, gauge("l3_running_prefetches", "L3 prefetches in flight (prefetches)")
+    ] = 0
+    pending_backups: Annotated[
+        int, gauge("l3_pending_backups", "L3 backups queued or in flight (backups)")
+    ] = 0
+
+
+class ShardStats(msgspec.Struct, kw_only=True):
+    """One L3 shard's counts (``PageShard.stats``), or a store's summed over its shards.
+
+    Attributes:
+        objects / keys / bytes: what it holds; capacity_bytes: its budget (0: none).
+        evicted_objects: dropped past the budget; lost_objects: gone with their owner.
+        adopting: written objects whose own copies are still being made.
+    """
+
+    objects: int = 0
+    keys: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    evicted_objects: int = 0
+    lost_objects: int = 0
+    adopting: int = 0
+
+    def __add__(self, other: ShardStats) -> ShardStats:
+        return ShardStats(
+            **{f: getattr(self, f) + getattr(other, f) for f in self.__struct_fields__}
+        )
+
+
+class RankStats(msgspec.Struct, kw_only=True):
+    """One rank's statistics as ``RankActor.stats`` returns them (plain data across the
+    actor boundary; ``msgspec.to_builtins`` gives JSON).
+
+    Attributes:
+        rank: the rank; error: why its step loop stopped, else None.
+        device: where its pools and model live; model_backend: ``gloo`` or ``nccl``.
+        controller: its cache controller's statistics (None before it is formed).
+        storage: its L3 client's counters (``StorageStats``; None without L3).
+    """
+
+    rank: int
+    error: str | None = None
+    device: str = "cpu"
+    model_backend: str = ""
+    controller: ControllerStats | None = None
+    storage: Any = None  # hicache_ray.storage.StorageStats (the storage package imports this)
+
+
+class RankHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one rank stands (what ``RankActor.health`` returns).
+
+    Attributes:
+        rank: the rank; generation: the deployment generation it belongs to.
+        stepping: its step thread runs.
+        steps: steps it has made.
+        error: why it stopped stepping (or why it is not there), else None.
+        in_step: the thread is inside a step (possibly waiting in a collective).
+        outside_step_s: seconds since its last step ended (None while in a step): a
+            stalled rank's grows past the consensus timeout.
+    """
+
+    rank: int
+    generation: int = 0
+    stepping: bool = False
+    steps: int = 0
+    error: str | None = None
+    in_step: bool = False
+    outside_step_s: float | None = None
+
+
+class ConnectorStats(msgspec.Struct, kw_only=True):
+    """What the vLLM connector moved, running totals (the scheduler side counts the hits,
+    each worker its moves; vLLM exports the workers' through its ``/metrics``)."""
+
+    hit_tokens: Annotated[
+        int, counter("vllm_hit_tokens", "Prompt tokens vLLM was told to load from L3 (tokens)")
+    ] = 0
+    loaded_tokens: Annotated[
+        int, counter("vllm_loaded_tokens", "Tokens read, verified and placed in vLLM (tokens)")
+    ] = 0
+    load_failed_tokens: Annotated[
+        int,
+        counter("vllm_load_failed_tokens", "Tokens vLLM recomputed: missing or corrupt (tokens)"),
+    ] = 0
+    saved_tokens: Annotated[
+        int, counter("vllm_saved_tokens", "Tokens of vLLM's pages the store holds (tokens)")
+    ] = 0
+    save_dropped_tokens: Annotated[
+        int,
+        counter(
+            "vllm_save_dropped_tokens", "Tokens not saved: store full, failed or busy (tokens)"
+        ),
+    ] = 0

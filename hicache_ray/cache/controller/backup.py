@@ -1,0 +1,171 @@
+"""The backup pipeline (L2 -> L3): one thread storing host pages, in prefix order.
+
+The scheduler thread submits one :class:`BackupTask` per tree node whose host copy the
+ranks agreed is written, parents before children (writes are acknowledged in submission
+order, and a path is written parents first). The :class:`BackupWorker` skips the leading
+pages already stored, stores the rest in batches, and stops at the first failure. A task
+whose parent's backup did not store every page is skipped: a stored prefix never has a
+hole. The node stays locked (its host slots cannot be evicted) until the scheduler thread
+acknowledges the task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+from hicache_ray.base.workers import InboxWorker
+from hicache_ray.cache.controller.reads import STAGED_BATCH_PAGES
+from hicache_ray.cache.memory import HostPool
+from hicache_ray.cache.tree import TreeNode
+from hicache_ray.keys import ShardPlan
+from hicache_ray.keys.plan import ObjectSpec
+from hicache_ray.storage import StorageBackend
+
+__all__ = ["BackupPipeline", "BackupTask", "lower_priority"]
+
+log = logging.getLogger(__name__)
+
+
+def lower_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to others (Linux: per-thread nice value)."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+
+
+class BackupTask:
+    """Store one node's pages. Set by the worker: ``stored_pages``, ``failure``, ``finished``."""
+
+    def __init__(
+        self, node: TreeNode, hashes: list[str], host_pages: list[int], parent: BackupTask | None
+    ) -> None:
+        self.node = node
+        self.hashes = hashes
+        self.host_pages = host_pages
+        self.parent = parent  # None: the parent is the root or already stored
+        self.stored_pages = 0
+        self.num_bytes = 0
+        self.failure: str | None = None
+        self.finished = threading.Event()  # set once the worker is done with the task
+
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.failure is None
+
+    @classmethod
+    def already_stored(cls, node: TreeNode) -> BackupTask:
+        """The record of a node whose pages came from storage (nothing to write)."""
+        task = cls(node, [], [], None)
+        task.finished.set()
+        return task
+
+
+class BackupWorker(InboxWorker[BackupTask]):
+    """Stores the pages of each task, leading pages first, stopping at the first failure."""
+
+    def __init__(self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch: int):
+        super().__init__("hicache-backup")
+        self._storage, self._plan, self._pool, self._batch = storage, plan, host_pool, batch
+        self.open = threading.Event()  # cleared while the rank computes (see ``paused``)
+        self.open.set()
+
+    def starting(self) -> None:
+        lower_priority()  # backups are background work: prefills and decodes go first
+
+    def handle(self, task: BackupTask) -> None:
+        if task.parent is not None and not task.parent.ok:
+            task.failure = "parent_not_stored"
+        else:
+            self._store(task)
+
+    def failed(self, task: BackupTask, exc: Exception) -> None:
+        log.warning("backup failed: %s", exc)
+        task.failure = "write_failed"
+
+    def finished(self, task: BackupTask) -> None:
+        task.finished.set()
+
+    def _store(self, task: BackupTask) -> None:
+        plan = self._plan
+        mine = [i for i, obj in enumerate(plan.objects) if obj.writer]
+        writers = [plan.objects[i] for i in mine]
+        if not writers:  # another rank writes this rank's objects
+            task.stored_pages = len(task.hashes)
+            return
+        keys = [[ks[i] for i in mine] for ks in map(plan.keys, task.hashes)]
+        # One lookup for every page of the node (not only the leading ones): the put below
+        # writes the absent pages without asking again, and present ones are never read
+        # out of the pool.
+        flat = self._storage.exists_each([k for page in keys for k in page])
+        n = len(writers)
+        missing = [not all(flat[p * n : (p + 1) * n]) for p in range(len(keys))]
+        # Small batches: a pause (``paused``) takes effect quickly, and objects copied out of
+        # non-contiguous layouts stay few and warm.
+        batch = min(self._batch, STAGED_BATCH_PAGES)
+        for start in range(0, len(keys), batch):
+            end = min(start + batch, len(keys))
+            todo = [p for p in range(start, end) if missing[p]]
+            if todo:
+                self.open.wait()
+                if not self._put(task, todo, keys, writers):
+                    return
+            task.stored_pages = end
+
+    def _put(
+        self, task: BackupTask, todo: list[int], keys: list[list[str]], writers: list[ObjectSpec]
+    ) -> bool:
+        """Store the pages ``todo``; False (``stored_pages`` and ``failure`` set) when the
+        store took fewer."""
+        batch_keys = [k for p in todo for k in keys[p]]
+        pages = [
+            self._pool.read_object(task.host_pages[p], o.local_layers, o.local_heads)
+            for p in todo
+            for o in writers
+        ]
+        stored = self._storage.put(batch_keys, pages)
+        task.num_bytes += sum(p.nbytes for p in pages[:stored])
+        if stored < len(batch_keys):
+            task.stored_pages = todo[stored // len(writers)]
+            task.failure = "write_failed"
+            return False
+        return True
+
+
+class BackupPipeline:
+    """The backup thread over one storage backend, started and stopped in one place."""
+
+    def __init__(
+        self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch_pages: int
+    ) -> None:
+        self.worker = BackupWorker(storage, plan, host_pool, batch_pages)
+        self._closed = False
+        self.worker.start()
+
+    def submit(self, task: BackupTask) -> None:
+        self.worker.inbox.put(task)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold backups between batches while the caller computes (a prefill): they are
+        background work, and on a small host they would take cores from the forward pass."""
+        self.worker.open.clear()
+        try:
+            yield
+        finally:
+            self.worker.open.set()
+
+    def close(self) -> None:
+        """Stop the thread after the tasks queued so far; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.worker.open.set()
+        self.worker.inbox.put(None)
+        self.worker.join()

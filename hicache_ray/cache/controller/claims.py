@@ -1,0 +1,338 @@
+"""Prefix claims: an admitted request between admission and ``take``, its facts, agreements
+and prefetch.
+
+Each request contributes four integers to the step vector, all in pages of its prompt:
+
+* ``ready``: leading pages this rank holds in L1/L2 (matched at admission, plus pages read
+  from L3 so far);
+* ``total``: leading pages available from L1/L2/L3 here, -1 while the storage query runs;
+* ``finished``: 1 when this rank expects no more progress (query done and nothing to read,
+  or reading done), else 0;
+* ``-timed_out``: the ``timeout`` policy's deadline passed on this rank (negated: any rank).
+
+After the MIN, an agreed ``total`` starts this rank's reads of ``[ready, total)`` into host
+slots; the agreed ``ready`` is what ``take`` hands to the request, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from hicache_ray.base.config import CacheConfig
+from hicache_ray.base.errors import HiCacheError
+from hicache_ray.base.stats import ControllerStats
+from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
+from hicache_ray.cache.controller.backup import BackupTask
+from hicache_ray.cache.controller.prefetch import FetchTask
+from hicache_ray.cache.controller.protocol import ArrivalLike
+from hicache_ray.cache.handle import CacheHandle
+from hicache_ray.cache.hicache import HiCache
+from hicache_ray.cache.tree import TreeNode
+
+if TYPE_CHECKING:
+    from hicache_ray.cache.controller.prefetch import PrefetchPipeline
+
+__all__ = ["Claims", "Facts", "PrefixClaim"]
+
+
+class Facts(NamedTuple):
+    """One request's facts in the step vector, in this order (MIN-agreed across ranks).
+
+    Attributes:
+        ready: leading pages in L1/L2 here (read from L3 included).
+        total: leading pages in L1/L2/L3 here; -1 while the storage query runs.
+        finished: 1 when this rank's reads are done (the MIN: every rank's).
+        timed_out: -1 when the prefetch deadline passed (negated: the MIN is "any rank").
+    """
+
+    ready: int
+    total: int
+    finished: int
+    timed_out: int
+
+
+FACTS = len(Facts._fields)  # integers per request in the step vector
+
+
+class PrefixClaim:
+    """One admitted request's claim on its cached prefix, from admission to ``take`` or
+    ``cancel``: the tree node it locks, its L3 prefetch, and the facts agreed for it.
+
+    The controller hands it out (:meth:`CacheController.step`) and keeps no registry of its
+    own: the scheduler's request table holds it and passes the claims of its admitted
+    requests back to every step, in admission order.
+
+    Attributes:
+        arrival: the request as the step broadcast it (of the controller's arrival type).
+        rid: its id.
+        agreed: the facts every rank agreed for it at the last exchange (None: not yet).
+    """
+
+    __slots__ = (
+        "admitted_at",
+        "agreed",
+        "agreed_on_arrival",
+        "arrival",
+        "cached",
+        "deadline",
+        "done",
+        "fetch_started",
+        "final",
+        "key",
+        "node",
+        "prompt_key",
+        "rid",
+        "task",
+    )
+
+    def __init__(
+        self, arrival: ArrivalLike, prompt_key: bytes, whole_bytes: int, node: TreeNode, cached: int
+    ) -> None:
+        self.arrival = arrival
+        self.rid = arrival.rid
+        self.prompt_key = prompt_key  # the prompt encoded once, reused at take and finish
+        self.key = prompt_key[:whole_bytes]  # its whole pages
+        self.node = node  # locked from admission to take
+        self.cached = cached
+        self.task: FetchTask | None = None
+        self.agreed: Facts | None = None
+        self.agreed_on_arrival = False  # only the admitting step's round has agreed yet
+        self.fetch_started = False
+        self.final: Facts | None = None  # facts that can no longer change
+        self.admitted_at = 0.0
+        self.deadline = math.inf
+        self.done = False  # taken or cancelled
+
+    @property
+    def agreed_ready(self) -> int:
+        """Pages every rank holds in L1/L2 as of the last step (-1: not agreed yet)."""
+        return -1 if self.agreed is None else self.agreed.ready
+
+    def runnable(self, policy: str) -> bool:
+        """Whether the prefetch ``policy`` lets the request run now (from agreed facts only)."""
+        facts = self.agreed
+        if facts is None:
+            return False
+        if policy == "timeout" and facts.timed_out < 0:
+            return True
+        # best_effort gives a query one step (as long as a forward) before it gives up
+        effort = policy == "best_effort" and not self.agreed_on_arrival
+        return effort or facts.finished == 1
+
+
+class Claims:
+    """Makes, agrees, hands over and drops the prefix claims of one rank's requests.
+
+    It holds no request: only the L3 tasks of the claims not yet taken and the host slots
+    they hold (what :meth:`wait` and the pool accounting need).
+    """
+
+    def __init__(
+        self,
+        cache: HiCache,
+        config: CacheConfig,
+        prefetch: PrefetchPipeline | None,
+        stats: ControllerStats,
+        note_failure: Callable[[], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self._cache = cache
+        self._config = config
+        self._prefetch = prefetch
+        self._stats = stats
+        self._note_failure = note_failure
+        self._clock = clock
+        self._tasks: set[FetchTask] = set()  # the prefetches of claims not yet taken
+        self.prefetch_host_pages = 0  # host slots held by prefetch tasks
+        self._page_size = config.page_size
+        self._quota = int(config.prefetch.max_host_fraction * cache.host_pool.num_pages)
+
+    @property
+    def num_fetching(self) -> int:
+        """Claims with an L3 prefetch, not taken yet."""
+        return len(self._tasks)
+
+    # ----------------------------------------------------------------- facts
+
+    def facts(self, claims: Sequence[PrefixClaim]) -> list[int]:
+        """This rank's facts of ``claims``, ``FACTS`` each, in order."""
+        now = self._clock()
+        out: list[int] = []
+        for c in claims:
+            out += c.final or self._facts_of(c, now)
+        return out
+
+    @staticmethod
+    def _facts_of(c: PrefixClaim, now: float) -> Facts:
+        t = c.task
+        timed_out = -int(now >= c.deadline)
+        if t is None:
+            facts = Facts(c.cached, c.cached, 1, timed_out)
+        else:
+            finished = t.settled if c.fetch_started else 0 <= t.local_total <= c.cached
+            facts = Facts(t.pages_read, t.local_total, int(finished), timed_out)
+        if facts.finished and (timed_out or c.deadline == math.inf):
+            c.final = facts  # nothing left to change: skip the work on later steps
+        return facts
+
+    def apply(
+        self, claims: Sequence[PrefixClaim], agreed: Sequence[int], *, on_arrival: bool = False
+    ) -> None:
+        """Take the agreed facts of ``claims``, in :meth:`facts` order (``on_arrival``: the
+        extra round of the step that admitted them)."""
+        for i, c in enumerate(claims):
+            c.agreed = Facts(*agreed[i * FACTS : (i + 1) * FACTS])
+            c.agreed_on_arrival = on_arrival
+            if c.agreed.total >= 0 and c.task is not None and not c.fetch_started:
+                self._start_fetch(c, c.agreed.total)
+
+    # ------------------------------------------------------------ admission
+
+    def admit(self, arrival: ArrivalLike) -> PrefixClaim:
+        """Lock the longest prefix of ``arrival`` cached here and start its L3 query."""
+        ps = self._page_size
+        tree = self._cache.tree
+        key = encode_tokens(arrival.tokens)
+        whole = len(arrival.tokens) // ps
+        m = tree.match_prefix(key, count_hit=False)
+        tree.lock(m.best_match_node)
+        cached = len(m.device_pages) + m.host_hit_pages
+        c = PrefixClaim(arrival, key, whole * ps * TOKEN_BYTES, m.best_match_node, cached)
+        c.admitted_at = self._clock()
+        prefetch = self._config.prefetch
+        past = len(arrival.tokens) - cached * ps
+        if self._prefetch is not None and whole > cached and past >= prefetch.threshold_tokens:
+            c.task = FetchTask(c.key, whole, cached, self._config.storage.tenant_salt)
+            self._tasks.add(c.task)
+            self._prefetch.submit_query(c.task)
+            if prefetch.policy == "timeout":
+                c.deadline = c.admitted_at + prefetch.timeout_s((whole - cached) * ps)
+        self._stats.requests += 1
+        return c
+
+    def _start_fetch(self, c: PrefixClaim, total: int) -> None:
+        task, pipeline = c.task, self._prefetch
+        assert task is not None and pipeline is not None
+        c.fetch_started = True
+        unfulfilled = self._stats.unfulfilled_tokens
+        if task.local_total > total:
+            unfulfilled["peer_miss"] += (task.local_total - total) * self._page_size
+        need = total - c.cached
+        if need <= 0:
+            return
+        allowed = need
+        if self._config.prefetch.max_host_fraction < 1:
+            allowed = min(need, max(0, self._quota - self.prefetch_host_pages))
+        unfulfilled["prefetch_quota"] += (need - allowed) * self._page_size
+        pages = self._cache.alloc_host(allowed)
+        if pages is None:
+            alloc = self._cache.host_pool.allocator
+            pages = alloc.allocate(min(allowed, alloc.num_free_pages)) or []
+        unfulfilled["host_capacity"] += (allowed - len(pages)) * self._page_size
+        task.host_pages = pages
+        task.read_start = c.cached
+        task.read_end = c.cached + len(pages)
+        self.prefetch_host_pages += len(pages)
+        if pages:
+            pipeline.submit_read(task)
+
+    # ------------------------------------------------------------ hand-over
+
+    def take(self, c: PrefixClaim, max_pages: int | None) -> CacheHandle:
+        """Lock and start loading the agreed prefix of ``c`` (at most ``max_pages`` pages)."""
+        if c.agreed is None:
+            raise HiCacheError(f"request {c.rid!r} has no agreed prefix yet; take runnable ones")
+        self._end(c)
+        cache, tree = self._cache, self._cache.tree
+        ready = c.agreed.ready if max_pages is None else min(c.agreed.ready, max_pages)
+        useful = self._finish_task(c, ready, count=True)
+        dropped = None
+        if useful:
+            assert c.task is not None
+            unbacked = c.node is not tree.root and not c.node.backed_up
+            if self._config.write.policy == "write_through" and unbacked:
+                dropped = useful  # the host tier must stay a superset of the device tier
+                self._stats.refills_dropped += 1
+            else:
+                result = tree.insert_host(c.key, c.task.read_start, useful)
+                cache.host_pool.allocator.free(result.duplicate_pages)
+                for node in result.new_nodes + result.adopted_nodes:
+                    node.backup = BackupTask.already_stored(node)  # children may be stored
+            self._stats.storage_hit_tokens += len(useful) * self._page_size
+        handle = cache.match(c.key, limit_pages=ready, extra_host_pages=dropped)
+        handle.prompt_key = c.prompt_key
+        handle.storage_hit_tokens = len(useful) * self._page_size
+        tree.unlock(c.node)
+        if handle.num_cached_tokens < ready * self._page_size:
+            self._note_failure()  # this rank's device pool could not hold the agreed prefix
+        return handle
+
+    def cancel(self, c: PrefixClaim) -> None:
+        """Drop ``c`` without running its request: unlock it, stop and free its prefetch."""
+        self._end(c)
+        self._finish_task(c, 0, count=False)
+        self._cache.tree.unlock(c.node)
+
+    def wait_queries(self, claims: Sequence[PrefixClaim], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` in all for the L3 queries of ``claims`` (a query that
+        ends in time is agreed in this step; a slow or dead store only costs the wait)."""
+        deadline = self._clock() + timeout_s
+        for c in claims:
+            if c.task is not None:
+                c.task.queried.wait(max(0.0, deadline - self._clock()))
+
+    def wait(self, timeout: float | None) -> None:
+        """Wait (locally) for the queries and reads of every claim not taken yet."""
+        for task in list(self._tasks):
+            task.queried.wait(timeout)
+            if task.read_started:
+                task.read_finished.wait(timeout)
+
+    def close(self) -> None:
+        """Stop every prefetch not taken yet (the pipelines are closing)."""
+        for task in self._tasks:
+            task.cancelled = True
+        self._tasks.clear()
+
+    def _end(self, c: PrefixClaim) -> None:
+        if c.done:
+            raise HiCacheError(f"request {c.rid!r} was already taken or cancelled")
+        c.done = True
+        if c.task is not None:
+            self._tasks.discard(c.task)
+
+    def _finish_task(self, c: PrefixClaim, ready: int, *, count: bool) -> list[int]:
+        """Stop ``c``'s prefetch; return its slots holding pages below ``ready``, free the
+        rest behind the task (the read thread may still be writing them)."""
+        task = c.task
+        if task is None:
+            return []
+        task.cancelled = True
+        keep = max(0, ready - task.read_start) if c.fetch_started else 0
+        useful, rest = task.host_pages[:keep], task.host_pages[keep:]
+        self._cache.host_pool.allocator.free(rest, fence=task)
+        self.prefetch_host_pages -= len(task.host_pages)
+        if count:
+            self._count(c, ready)
+        return useful
+
+    def _count(self, c: PrefixClaim, ready: int) -> None:
+        task, stats, ps = c.task, self._stats, self._page_size
+        assert task is not None
+        read = task.pages_read - task.read_start
+        stats.prefetched_pages += read
+        stats.prefetched_bytes += read * self._cache.kv.page_bytes
+        stats.prefetch_latency_s += self._clock() - c.admitted_at
+        if task.failure == "query_failed":
+            stats.prefetch_query_failures += 1
+        if c.agreed is None or c.agreed.total <= ready:
+            return
+        missing = (c.agreed.total - ready) * ps
+        if c.agreed.finished != 1:
+            stats.unfulfilled_tokens["terminated"] += missing
+        elif task.failure is not None:
+            stats.unfulfilled_tokens["read_failed"] += missing
+        elif task.read_end >= c.agreed.total:
+            stats.unfulfilled_tokens["peer_miss"] += missing

@@ -1,0 +1,107 @@
+"""The prefetch pipeline (L3 -> L2): a query thread and a read thread (:mod:`.reads`).
+
+The scheduler thread creates one :class:`FetchTask` per admitted request that has enough
+tokens past its L2 hit. The :class:`QueryWorker` hashes the request's whole pages and asks
+storage how many *leading* pages past the local hit exist, in batches of
+``storage_batch_size`` pages, stopping at the first gap. Once the ranks have agreed on how
+many pages to fetch, the scheduler thread allocates host slots and hands the task to the
+:class:`ReadWorker`, which reads and verifies pages into those slots batch by batch,
+advancing ``pages_read`` (leading pages only) until done, cancelled or failed.
+
+Workers only read and write the task's own fields and its host slots; allocation, the
+tree and every collective stay on the scheduler thread. A task is ``settled`` once no
+worker will touch its slots again; slots freed before that wait behind it as a fence.
+:class:`PrefetchPipeline` starts both threads and stops them (``close``) in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from hicache_ray.base.workers import InboxWorker
+from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
+from hicache_ray.cache.controller.reads import ReadWorker
+from hicache_ray.cache.memory import HostPool
+from hicache_ray.keys import ShardPlan, page_hashes
+from hicache_ray.storage import StorageBackend
+
+__all__ = ["FetchTask", "PrefetchPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class QueryWorker(InboxWorker[FetchTask]):
+    """Hashes pages and counts leading stored pages past each task's local hit."""
+
+    def __init__(self, storage: StorageBackend, plan: ShardPlan, page_size: int, batch: int):
+        super().__init__("hicache-prefetch-query")
+        self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
+        self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
+
+    def handle(self, task: FetchTask) -> None:
+        task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
+        task.local_total = task.start_page + self._leading(task)
+
+    def failed(self, task: FetchTask, exc: Exception) -> None:
+        log.warning("prefetch query failed: %s", exc)  # a miss, never a failed request
+        task.failure = "query_failed"
+        task.local_total = task.start_page
+
+    def finished(self, task: FetchTask) -> None:
+        task.queried.set()
+        self.progress()
+
+    def _leading(self, task: FetchTask) -> int:
+        found = 0
+        per_page = len(self._plan.objects)
+        for start in range(task.start_page, task.num_pages, self._batch):
+            if task.cancelled:
+                break
+            hashes = task.hashes[start : min(start + self._batch, task.num_pages)]
+            keys = [k for h in hashes for k in self._plan.keys(h)]
+            pages = self._storage.exists(keys) // per_page
+            found += pages
+            if pages < len(hashes):
+                break
+        return found
+
+
+class PrefetchPipeline:
+    """The query and read threads over one storage backend, started and stopped together."""
+
+    def __init__(
+        self,
+        storage: StorageBackend,
+        plan: ShardPlan,
+        host_pool: HostPool,
+        batch_pages: int,
+        read_threads: int = 1,
+    ) -> None:
+        self.query = QueryWorker(storage, plan, host_pool.kv.page_size, batch_pages)
+        self.read = ReadWorker(storage, plan, host_pool, batch_pages, read_threads)
+        self._closed = False
+        self.query.start()
+        self.read.start()
+
+    def on_progress(self, callback: Callable[[], None]) -> None:
+        """Have the worker threads call ``callback`` whenever a task's query or read ends
+        (a step loop wakes up for it instead of polling on a timer)."""
+        self.query.progress = self.read.progress = callback
+
+    def submit_query(self, task: FetchTask) -> None:
+        self.query.inbox.put(task)
+
+    def submit_read(self, task: FetchTask) -> None:
+        task.read_started = True
+        self.read.inbox.put(task)
+
+    def close(self) -> None:
+        """Stop both threads after the work queued so far; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.query.inbox.put(None)
+        self.read.inbox.put(None)
+        self.query.join()
+        self.read.join()

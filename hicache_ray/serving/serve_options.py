@@ -1,0 +1,152 @@
+"""The deployment behind ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``,
+from their string options (checked here: a bad value is a ``ConfigError`` naming it)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from hicache_ray.base.config import (
+    CacheConfig,
+    FileStorageOptions,
+    MemoryConfig,
+    RayStorageOptions,
+    SchedulerConfig,
+    StorageConfig,
+)
+from hicache_ray.base.errors import ConfigError
+
+if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
+    from hicache_ray.engine.spec import DeploymentConfig
+
+__all__ = [
+    "ROUTERS",
+    "ROUTE_WEIGHTS",
+    "SERVE_OPTIONS",
+    "serve_deployment_config",
+    "serve_ingresses",
+    "serve_replicas",
+]
+
+# ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``: option -> (default,
+# help); values arrive as strings and are checked by ``serve_deployment_config``.
+SERVE_OPTIONS: dict[str, tuple[str, str]] = {
+    "model": ("", "a preset (tiny, tiny4, bench: random weights) or a checkpoint directory"),
+    "tp": ("1", "tensor-parallel size"),
+    "pp": ("1", "pipeline-parallel size"),
+    "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
+    "storage_root": ("", "directory or URI of the file backend"),
+    "store": ("", "name of the ray L3 store (default: serve-<model>)"),
+    "device_tokens": ("16384", "L1 (device pool) tokens per rank"),
+    "host_ratio": ("2.0", "L2 (host pool) size as a multiple of L1"),
+    "page_size": ("16", "tokens per KV page"),
+    "max_queued": ("1024", "requests waiting to start before more are refused (503)"),
+    "cpus_per_rank": ("1", "CPUs each rank reserves"),
+    "gpus_per_rank": ("0", "GPUs each rank reserves (1 on GPU clusters)"),
+    "replicas": ("1", "engine replicas, each with its own ranks, L1 and L2, over one L3 store"),
+    "router": (
+        "cache",
+        "how the ingress picks a replica (replicas > 1): cache (what their caches hold), "
+        "prefix (Ray's PrefixCacheAffinityRouter) or pow2 (power of two choices)",
+    ),
+    "ingresses": (
+        "1",
+        "HTTP ingress replicas in front of the engine replicas (replicas > 1); each routes "
+        "with its own router instance, as several gateways would",
+    ),
+    "route_weights": (
+        "",
+        "the cache router's weights, e.g. l1=1,l2=0.8,queued=64,room=0.25,wait_s=0.1 (prompt "
+        "tokens an L1 / L2 page token saves, what a queued request costs, what a cached "
+        "token costs a new prefix, the index's answer time)",
+    ),
+}
+ROUTERS = ("cache", "prefix", "pow2")
+ROUTE_WEIGHTS = ("l1", "l2", "queued", "room", "wait_s")
+
+
+def _number(name: str, value: str, kind: type[int] | type[float]) -> float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(
+            name,
+            value,
+            f"not {'an integer' if kind is int else 'a number'}",
+            f"give a {kind.__name__}",
+        ) from None
+
+
+def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
+    """The :class:`~hicache_ray.engine.spec.DeploymentConfig` of the serve options ``args``."""
+    from hicache_ray.engine.model.checkpoint import resolve_model
+    from hicache_ray.engine.spec import DeploymentConfig
+
+    unknown = set(args) - set(SERVE_OPTIONS) - {"served_name", "keep_store"}
+    if unknown:
+        raise ConfigError(
+            "serve", sorted(unknown), "unknown options", f"use {sorted(SERVE_OPTIONS)}"
+        )
+    opts = {k: args.get(k, default) for k, (default, _) in SERVE_OPTIONS.items()}
+    if not opts["model"]:
+        raise ConfigError("model", "", "missing", "give a preset name or a checkpoint directory")
+    model = resolve_model(opts["model"])
+    backend = opts["storage"]
+    if backend not in ("ray", "file", "none"):
+        raise ConfigError("storage", backend, "unknown backend", "use ray, file or none")
+    store = opts["store"] or f"serve-{model.name}".replace(".", "-")
+    storage = StorageConfig(
+        backend=backend,
+        model_id=model.name if not model.checkpoint else "",
+        ray=RayStorageOptions(name="".join(c if c.isalnum() or c in "-_" else "-" for c in store)),
+        file=FileStorageOptions(root=opts["storage_root"]),
+    )
+    cache = CacheConfig(
+        memory=MemoryConfig(
+            page_size=int(_number("page_size", opts["page_size"], int)),
+            device_tokens=int(_number("device_tokens", opts["device_tokens"], int)),
+            hicache_ratio=float(_number("host_ratio", opts["host_ratio"], float)),
+        ),
+        storage=storage,
+    )
+    return DeploymentConfig(
+        name=f"openai-{os.getpid()}",
+        model=model,
+        tp_size=int(_number("tp", opts["tp"], int)),
+        pp_size=int(_number("pp", opts["pp"], int)),
+        cache=cache,
+        scheduler=SchedulerConfig(max_queued=int(_number("max_queued", opts["max_queued"], int))),
+        cpus_per_rank=float(_number("cpus_per_rank", opts["cpus_per_rank"], float)),
+        gpus_per_rank=int(_number("gpus_per_rank", opts["gpus_per_rank"], int)),
+    )
+
+
+def serve_ingresses(args: dict[str, str]) -> int:
+    """The number of HTTP ingress replicas of the serve options ``args``."""
+    ingresses = int(_number("ingresses", args.get("ingresses", "1"), int))
+    if not 1 <= ingresses <= 64:
+        raise ConfigError("ingresses", ingresses, "out of range", "give 1 to 64 ingresses")
+    return ingresses
+
+
+def serve_replicas(args: dict[str, str]) -> tuple[int, str, dict[str, float]]:
+    """The number of engine replicas, the router and its weights of the serve options
+    ``args``."""
+    replicas = int(_number("replicas", args.get("replicas", "1"), int))
+    if not 1 <= replicas <= 64:
+        raise ConfigError("replicas", replicas, "out of range", "give 1 to 64 replicas")
+    router = args.get("router", "cache")
+    if router not in ROUTERS:
+        raise ConfigError("router", router, "unknown router", f"use one of {', '.join(ROUTERS)}")
+    weights: dict[str, float] = {}
+    for item in filter(None, args.get("route_weights", "").split(",")):
+        name, _, value = item.partition("=")
+        if name.strip() not in ROUTE_WEIGHTS:
+            raise ConfigError(
+                "route_weights", item, "unknown weight", f"use {', '.join(ROUTE_WEIGHTS)}"
+            )
+        number = _number(f"route_weights.{name.strip()}", value.strip(), float)
+        if number < 0:
+            raise ConfigError("route_weights", item, "negative", "give a number >= 0")
+        weights[name.strip()] = number
+    return replicas, router, weights
