@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from apps.bench.options import FaultOptions, RouteOptions, SoakOptions
+from apps.bench.trace_options import TraceOptions
 from apps.cli_args import (
     SERVE_OPTIONS,
     add_flags,
@@ -156,6 +157,15 @@ def _deployment_benches(bsub: Any) -> None:
     _report_flags(route)
     add_flags(route, RouteOptions)
     route.add_argument("--quick", action="store_true", help="tiny model, 2 replicas (smoke)")
+    trace = _command(
+        bsub,
+        "trace",
+        "a production request trace through the OpenAI app per cache mode, against its ideal",
+        "bench_trace",
+    )
+    _report_flags(trace)
+    add_flags(trace, TraceOptions)
+    trace.add_argument("--quick", action="store_true", help="30 requests, tiny model (smoke)")
 
 
 def _parser() -> argparse.ArgumentParser:

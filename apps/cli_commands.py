@@ -235,6 +235,22 @@ def experiment(args: argparse.Namespace, opts: Any) -> int:
     return status or (1 if wrong.value else 0)
 
 
+def bench_trace(args: argparse.Namespace, _: None) -> int:
+    from apps.bench.serve_plot import plot_trace
+    from apps.bench.trace_bench import run_trace_bench
+    from apps.bench.trace_options import TraceOptions
+
+    base = TraceOptions.quick_options() if args.quick else TraceOptions()
+    opts = dataclasses.replace(base, **flag_values(args, TraceOptions))
+    figures = run_trace_bench(opts, _log)
+    status = finish(args, "bench trace", dataclasses.asdict(opts), figures)
+    if args.json:
+        png = Path(args.json).with_suffix(".png")
+        drawn = plot_trace(figures, list(opts.modes), png)
+        _log(f"wrote {png}" if drawn else "no matplotlib: no plot")
+    return status or _missed(figures)
+
+
 def serve_bench(args: argparse.Namespace, opts: Any) -> int:
     from apps.bench.serve_bench import run_serve_bench
     from apps.bench.serve_plot import plot_serve

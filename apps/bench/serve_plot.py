@@ -81,3 +81,41 @@ def plot_route(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def plot_trace(figures: Sequence[Figure], modes: Sequence[str], path: str | Path) -> bool:
+    """Hits over the ideal per mode (base and overload runs) and TTFT p50-p99 per mode;
+    False when matplotlib is not installed (nothing written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    value = {f.name: f.value for f in figures}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.38
+    for i, run in enumerate(("trace", "trace.overload")):
+        shown = [m for m in modes if f"{run}.{m}.hit_vs_ideal" in value]
+        xs = [modes.index(m) + (i - 0.5) * width for m in shown]
+        left.bar(xs, [value[f"{run}.{m}.hit_vs_ideal"] for m in shown], width, label=run)
+        if run == "trace":
+            for k, q in enumerate(("p50", "p90", "p99")):
+                ys = [value[f"{run}.{m}.ttft_{q}_ms"] for m in shown]
+                right.bar(
+                    [modes.index(m) + (k - 1) * 0.25 for m in shown], ys, 0.25, label=f"TTFT {q}"
+                )
+    left.set_xticks(range(len(modes)), modes)
+    left.set(
+        ylabel="hit tokens / ideal", title="hits over the infinite-cache ideal", ylim=(0, 1.05)
+    )
+    left.legend()
+    right.set_xticks(range(len(modes)), modes)
+    right.set(ylabel="ms", title="TTFT seen by clients (base run)", ylim=(0, None))
+    right.legend()
+    fig.suptitle("hicache-ray bench trace")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
