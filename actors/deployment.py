@@ -28,6 +28,7 @@ from actors.lifecycle import (
     DeploymentStats,
     Reform,
     ReformFailed,
+    at_caller,
     describe_failure,
     is_rank_failure,
     replay,
@@ -156,7 +157,7 @@ class Deployment(RankSet):
 
     async def _run(self, request: GenerateRequest) -> RequestResult:
         """A checked request to its result, through the one retry loop (:meth:`_attempts`)."""
-        attempt = Attempt()
+        called, attempt = time.perf_counter(), Attempt()
         async for rank0 in self._attempts(attempt):
             try:
                 for _ in range(_READMIT_TRIES):
@@ -164,7 +165,9 @@ class Deployment(RankSet):
                     if not attempt.refused(result):
                         break
                     await asyncio.sleep(_READMIT_S)
-                return result
+                # The caller sees the whole latency; what the rank did not spend of it went
+                # to the calls, the inbox and re-forming (the first token's share of it).
+                return at_caller(result, time.perf_counter() - called - result.latency_s)
             except (RayActorError, RayTaskError) as exc:
                 self._rank_failed(attempt, exc)
         raise AssertionError("unreachable: _attempts raises when no retry is left")
@@ -184,7 +187,7 @@ class Deployment(RankSet):
             yield StreamChunk(tokens=[], result=error_result(request, str(exc)))
             return
         emitted: list[int] = []
-        attempt = Attempt()
+        called, first_at, attempt = time.perf_counter(), 0.0, Attempt()
         async for rank0 in self._attempts(attempt):
             done = False
             try:
@@ -193,9 +196,13 @@ class Deployment(RankSet):
                     fresh = replay(checked.rid, chunk.tokens, emitted, seen)
                     seen += len(chunk.tokens)
                     emitted += fresh
+                    first_at = first_at or (time.perf_counter() if fresh else 0.0)
                     done = chunk.result is not None
+                    result = chunk.result
+                    if result is not None and first_at:
+                        result = at_caller(result, first_at - called - result.ttft_s)
                     if fresh or done:
-                        yield StreamChunk(tokens=fresh, result=chunk.result)
+                        yield StreamChunk(tokens=fresh, result=result)
                     if done:
                         return
             except (RayActorError, RayTaskError) as exc:

@@ -36,6 +36,7 @@ from hicache_ray.engine.request import ErrorKind, RequestResult
 
 __all__ = [
     "Attempt",
+    "at_caller",
     "DeploymentError",
     "DeploymentState",
     "DeploymentStats",
@@ -130,3 +131,13 @@ class Attempt:
     def refused(self, result: RequestResult | None) -> bool:
         """A retry the re-formed ranks refused as overloaded (to be offered again)."""
         return self.retried and result is not None and result.error_kind is ErrorKind.OVERLOADED
+
+
+def at_caller(result: RequestResult, call_s: float) -> RequestResult:
+    """``result`` with the caller's share of its first token's time: ``call_s`` (clamped at
+    0) in its split and ``caller_ttft_s`` = the rank's TTFT plus it. An error result has no
+    first token and is returned as it is."""
+    if result.error is None:
+        result.ttft_split.call_s = max(0.0, call_s)
+        result.caller_ttft_s = result.ttft_s + result.ttft_split.call_s
+    return result

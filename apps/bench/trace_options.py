@@ -32,7 +32,7 @@ class TraceOptions:
         default="", metadata=flag("trace", "JSONL trace (default: the shipped conversation trace)")
     )
     limit: int = field(
-        default=120, metadata=flag("limit", "replay the first N requests", type=positive_int)
+        default=80, metadata=flag("limit", "replay the first N requests", type=positive_int)
     )
     block_tokens: int = field(
         default=0,

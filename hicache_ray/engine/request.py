@@ -120,29 +120,52 @@ class GenerateRequest(msgspec.Struct, frozen=True):
 
 
 class TTFTSplit(msgspec.Struct, kw_only=True):
-    """Where a request's time to first token went (on rank 0; the parts add up to
-    ``RequestResult.ttft_s``).
+    """Where a request's time to first token went, in disjoint parts. The rank's parts add
+    up to ``RequestResult.ttft_s`` (rank 0's clock, from taking the request out of its
+    inbox); ``call_s``, set by the caller's door (the Ray layer's ``Deployment``), adds what
+    the caller saw besides, so all parts add up to ``RequestResult.caller_ttft_s``.
 
     Attributes:
-        queue_s: received to admitted (waiting for room in the device pool, and the step
-            that admits it).
-        prefetch_s: admitted to started (waiting for its L3 prefetch and the agreement).
+        call_s: the caller's door to rank 0's step loop and the first token back: the Ray
+            calls, rank 0's inbox, re-forming after a rank failure (0 on the rank itself).
+        queue_s: taken from the inbox to the start of the step that admits it (waiting for
+            room in the device pool and for that step).
+        agreement_s: the agreement rounds until it starts: the admitting step's, and the
+            steps that agreed on its L3 query's answer and on its reads being done.
+        query_s: admitted to its L3 query's answer (0 without an L3 lookup).
+        prefetch_s: its L3 reads into L2, from their start to their end.
         load_s: its prefill steps stalled on L2 -> L1 loads of cached pages.
         forward_s: the forward passes of the steps that computed its prompt (a batched
             step counts whole: the request waited for all of it).
-        rest_s: everything else: agreement steps, scheduling, the time between steps.
+        rest_s: everything else: taking and reserving pages, scheduling, between steps.
     """
 
+    call_s: float = 0.0
     queue_s: float = 0.0
+    agreement_s: float = 0.0
+    query_s: float = 0.0
     prefetch_s: float = 0.0
     load_s: float = 0.0
     forward_s: float = 0.0
     rest_s: float = 0.0
 
+    @property
+    def rank_s(self) -> float:
+        """The rank's parts together: every part but ``call_s``."""
+        return (
+            self.queue_s
+            + self.agreement_s
+            + self.query_s
+            + self.prefetch_s
+            + self.load_s
+            + self.forward_s
+            + self.rest_s
+        )
+
     def close(self, ttft_s: float) -> None:
-        """Set ``rest_s``: what of ``ttft_s`` the other parts do not explain."""
-        known = self.queue_s + self.prefetch_s + self.load_s + self.forward_s
-        self.rest_s = max(0.0, ttft_s - known)
+        """Set ``rest_s``: what of the rank's ``ttft_s`` the other rank parts do not explain."""
+        self.rest_s = 0.0
+        self.rest_s = max(0.0, ttft_s - self.rank_s)
 
 
 class RequestResult(msgspec.Struct, kw_only=True):
@@ -154,7 +177,10 @@ class RequestResult(msgspec.Struct, kw_only=True):
         device_hit_tokens / host_hit_tokens / storage_hit_tokens: cached prompt tokens by
             tier (host hits include tokens prefetched from storage into the host pool).
         recomputed_tokens: prompt tokens computed by the prefill.
-        ttft_s: admission to first token; prefetch_s: admission to take.
+        ttft_s: rank 0's clock, from taking it out of its inbox to its first token;
+            ``caller_ttft_s``: the caller's, from the call to the first token (set by
+            the Ray layer's ``Deployment``; 0 on a rank); prefetch_s: admission to take.
+        latency_s: rank 0's clock, from taking it out of its inbox to its result.
         load_s: the longest L2 -> L1 copy of the prefix (it overlaps the prefill);
         load_bytes / prefetch_bytes: bytes copied L2 -> L1 / read from L3 for it.
         queue_s: admission to the start of its prefill (waiting for room and prefetches).
@@ -173,6 +199,8 @@ class RequestResult(msgspec.Struct, kw_only=True):
     storage_hit_tokens: int = 0
     recomputed_tokens: int = 0
     ttft_s: float = 0.0
+    caller_ttft_s: float = 0.0
+    latency_s: float = 0.0
     prefetch_s: float = 0.0
     load_s: float = 0.0
     load_bytes: int = 0

@@ -179,12 +179,14 @@ class RankRuntime:
         """One scheduler iteration (every rank); returns what it finished and generated."""
         arrivals = self.table.admit()
         aborts, self._aborts = self._aborts, []
+        began = time.perf_counter()
         agreed = self.ctl.step(arrivals, aborts, pending=self.table.claims())
         if agreed.admitted and self.on_phase is not None:
             self.on_phase("admit", "")
         now = time.perf_counter()
         for claim in agreed.admitted:
-            self._arrive(claim, now)
+            record = self._arrive(claim, now)
+            record.admit_step_at, record.admit_agreement_s = began, agreed.agreement_s
         for rid in agreed.aborted:
             self._drop(rid, _aborted(rid), keep_output=True)
         room = max(0, self.max_running - len(self.table.running))
@@ -197,11 +199,12 @@ class RankRuntime:
         self.busy = agreed.busy or bool(out.results)
         return out
 
-    def _arrive(self, claim: PrefixClaim, now: float) -> None:
+    def _arrive(self, claim: PrefixClaim, now: float) -> RankRequest:
         request = claim.arrival
         assert isinstance(request, GenerateRequest)  # the controller broadcasts our type
         record = self.table.get(request.rid) or self._record(request, now)
         self.table.arrive(record, claim, now)
+        return record
 
     # -------------------------------------------------------------- starting
 
@@ -211,9 +214,7 @@ class RankRuntime:
         request = seq.request
         started = time.perf_counter()
         seq.result.prefetch_s = started - seq.received_at
-        split = seq.result.ttft_split
-        split.queue_s = max(0.0, seq.arrived_at - seq.received_at)
-        split.prefetch_s = started - max(seq.arrived_at, seq.received_at)
+        _split_start(seq, started)
         max_pages = (len(request.tokens) - 1) // self.page_size if self.reuse_prefix else 0
         handle = self.ctl.take(seq.claim, max_pages=max_pages)
         self.table.start(seq, handle)  # from here, dropping it releases the handle
@@ -337,6 +338,7 @@ class RankRuntime:
 
     def _finish(self, seq: RankRequest) -> None:
         assert seq.handle is not None
+        seq.result.latency_s = time.perf_counter() - seq.received_at
         # KV exists for the prompt and every generated token but the last.
         prompt = seq.handle.prompt_key or encode_tokens(seq.request.tokens)
         self.ctl.finish(seq.handle, prompt + encode_tokens(seq.generated[:-1]))
@@ -375,3 +377,23 @@ class RankRuntime:
 
 def _aborted(rid: str) -> RequestResult:
     return RequestResult(rid=rid, finish_reason=FinishReason.ABORT)
+
+
+def _split_start(seq: RankRequest, started: float) -> None:
+    """The parts of ``seq``'s TTFT up to its start, from the times its admitting step, L3
+    query and reads began and ended (each clamped into order, so the parts are disjoint)."""
+    split = seq.result.ttft_split
+    step_at = min(max(seq.admit_step_at, seq.received_at), started)
+    admitted = min(max(seq.arrived_at, step_at), started)
+    task = seq.claim.task if seq.claim is not None else None
+    queried = read_from = read_to = admitted
+    if task is not None and task.queried_at:
+        queried = min(max(task.queried_at, admitted), started)
+        read_from = read_to = queried
+        if task.read_started_at and task.read_done_at:
+            read_from = min(max(task.read_started_at, queried), started)
+            read_to = min(max(task.read_done_at, read_from), started)
+    split.queue_s = step_at - seq.received_at if seq.admit_step_at else admitted - seq.received_at
+    split.query_s = queried - admitted
+    split.prefetch_s = read_to - read_from
+    split.agreement_s = (admitted - step_at) + (read_from - queried) + (started - read_to)

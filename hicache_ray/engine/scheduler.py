@@ -64,6 +64,8 @@ class RankRequest:
     phase: Phase = Phase.QUEUED
     footprint: int = 0  # rank 0: device pages of its admission budget, once admitted
     arrived_at: float = 0.0  # admitted by every rank (the step's agreement)
+    admit_step_at: float = 0.0  # the start of the step that admitted it
+    admit_agreement_s: float = 0.0  # that step's agreement
     claim: PrefixClaim | None = None  # ADMITTED: its prefix claim
     handle: CacheHandle | None = None  # RUNNING: its cached prefix and reserved pages
     computed: int = 0  # tokens whose KV is in the pool

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +83,32 @@ def test_async_and_future_submission(ray_local: None, tp2: Any) -> None:
     assert r1.output_tokens == recompute(tokens, 4) and r2.error is None
     future = tp2.submit(GenerateRequest("x3", tokens, 4))
     assert future.result(timeout=60).output_tokens == r1.output_tokens
+
+
+def test_the_ttft_split_adds_up_to_the_callers_ttft_under_load(ray_local: None, tp2: Any) -> None:
+    """16 streams and 16 calls at once: every result's parts add up to the TTFT its caller
+    saw (``caller_ttft_s``), which lies within what the caller timed around the call."""
+
+    async def streamed(i: int) -> tuple[float, Any]:
+        started, first, result = time.perf_counter(), 0.0, None
+        async for chunk in tp2.stream(GenerateRequest(f"ts{i}", prompt(40 + i, 20), 3)):
+            first = first or (time.perf_counter() if chunk.tokens else 0.0)
+            result = chunk.result or result
+        return first - started, result
+
+    async def called(i: int) -> tuple[float, Any]:
+        started = time.perf_counter()
+        result = await tp2.generate_async(GenerateRequest(f"tc{i}", prompt(60 + i, 20), 1))
+        return time.perf_counter() - started, result
+
+    async def load() -> list[tuple[float, Any]]:
+        return list(await asyncio.gather(*(f(i) for i in range(16) for f in (streamed, called))))
+
+    for seen, result in asyncio.run(load()):
+        split = result.ttft_split
+        assert result.error is None and split.call_s > 0, result
+        assert abs(split.call_s + split.rank_s - result.caller_ttft_s) < 1e-6, split
+        assert result.ttft_s <= result.caller_ttft_s <= seen + 1e-6, (seen, result)
 
 
 def test_stats_health_and_idle(ray_local: None, tp2: Any) -> None:

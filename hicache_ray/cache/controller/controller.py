@@ -71,6 +71,7 @@ class StepResult:
             requests in flight.
         aborted: request ids rank 0 aborted this step (admitted ones are cancelled here;
             the caller drops those it runs).
+        agreement_s: seconds this step spent agreeing (its all-reduces and broadcast).
     """
 
     step: int
@@ -78,6 +79,7 @@ class StepResult:
     runnable: list[PrefixClaim] = field(default_factory=list)
     busy: bool = False
     aborted: list[str] = field(default_factory=list)
+    agreement_s: float = 0.0
 
 
 class CacheController:
@@ -165,18 +167,7 @@ class CacheController:
             raise ValueError("only rank 0 admits requests; pass no arrivals on other ranks")
         admitting = len(arrivals) + len(aborts)
         payload = self._codec.encode(arrivals, aborts) if admitting else b""
-        self.cache.poll()
-        if self.events is not None:  # what the last step's work changed, as one batch
-            self.events.flush()
-        facts = Header.local(
-            arrivals=admitting,
-            payload_bytes=len(payload),
-            acks=self.acks.facts(),
-            failed=self._failed_since_step,
-            busy=self._busy(),
-            num_requests=len(pending),
-        )
-        facts += self.claims.facts(pending)
+        facts = self._local_facts(admitting, len(payload), pending)
         self._step += 1
         stats = self.counters
         stats.steps += 1
@@ -186,8 +177,10 @@ class CacheController:
         changed = bool(admitting) or facts != self._contributed
         news = self.consensus.all_reduce_min([-int(changed)], self._step)
         if not news[0]:
-            stats.consensus_s += time.perf_counter() - start
-            return StepResult(self._step, [], self._runnable(pending, ()), self._busy_agreed)
+            spent = time.perf_counter() - start
+            stats.consensus_s += spent
+            runnable = self._runnable(pending, ())
+            return StepResult(self._step, [], runnable, self._busy_agreed, agreement_s=spent)
         agreed = self.consensus.all_reduce_min(facts, self._step)
         header = Header.decode(agreed, self._step)
         new: list[Any] = []
@@ -196,12 +189,32 @@ class CacheController:
             data = self.consensus.broadcast_bytes(payload, header.payload_bytes, self._step)
             broadcast = self._codec.decode(data)
             new, aborted = broadcast.arrivals, broadcast.aborts
-        stats.consensus_s += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        stats.consensus_s += spent
         stats.full_steps += 1
         self._contributed = facts
         admitted = self._apply(header, agreed, pending, new)
         runnable = self._runnable([*pending, *admitted], aborted)
-        return StepResult(self._step, admitted, runnable, self._busy_agreed, aborted=aborted)
+        return StepResult(
+            self._step, admitted, runnable, self._busy_agreed, aborted=aborted, agreement_s=spent
+        )
+
+    def _local_facts(
+        self, admitting: int, payload_bytes: int, pending: Sequence[PrefixClaim]
+    ) -> list[int]:
+        """This rank's step vector, after polling the cache and flushing its events."""
+        self.cache.poll()
+        if self.events is not None:  # what the last step's work changed, as one batch
+            self.events.flush()
+        facts = Header.local(
+            arrivals=admitting,
+            payload_bytes=payload_bytes,
+            acks=self.acks.facts(),
+            failed=self._failed_since_step,
+            busy=self._busy(),
+            num_requests=len(pending),
+        )
+        return facts + self.claims.facts(pending)
 
     def _apply(
         self,

@@ -4,6 +4,7 @@ and read threads of the prefetch pipeline (:mod:`.prefetch`, :mod:`.reads`)."""
 from __future__ import annotations
 
 import threading
+import time
 
 __all__ = ["FetchTask", "no_progress"]
 
@@ -32,6 +33,19 @@ class FetchTask:
         self.failure: str | None = None
         self.queried = threading.Event()
         self.read_finished = threading.Event()
+        # perf_counter times of the query's end, the reads' start and end (0: not yet):
+        # where an L3 hit's time to first token went (RequestResult.ttft_split)
+        self.queried_at = self.read_started_at = self.read_done_at = 0.0
+
+    def mark_queried(self) -> None:
+        """The query thread is done with this task (its ``local_total`` is set)."""
+        self.queried_at = time.perf_counter()
+        self.queried.set()
+
+    def mark_read(self) -> None:
+        """The read thread is done with this task's slots."""
+        self.read_done_at = time.perf_counter()
+        self.read_finished.set()
 
     @property
     def settled(self) -> bool:

@@ -17,6 +17,7 @@ worker will touch its slots again; slots freed before that wait behind it as a f
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from hicache_ray.base.workers import InboxWorker
@@ -49,7 +50,7 @@ class QueryWorker(InboxWorker[FetchTask]):
         task.local_total = task.start_page
 
     def finished(self, task: FetchTask) -> None:
-        task.queried.set()
+        task.mark_queried()
         self.progress()
 
     def _leading(self, task: FetchTask) -> int:
@@ -94,6 +95,7 @@ class PrefetchPipeline:
 
     def submit_read(self, task: FetchTask) -> None:
         task.read_started = True
+        task.read_started_at = time.perf_counter()
         self.read.inbox.put(task)
 
     def close(self) -> None:

@@ -80,7 +80,7 @@ class ReadWorker(InboxWorker[FetchTask]):
         task.failure = "read_failed"
 
     def finished(self, task: FetchTask) -> None:
-        task.read_finished.set()
+        task.mark_read()
         self.progress()
 
     def _read(self, task: FetchTask) -> None:
