@@ -57,7 +57,8 @@ __all__ = ["RankActor", "RankFailure"]
 log = logging.getLogger(__name__)
 
 _BUSY_STEP_S = 0.005  # background work pending (copies, backups): step this often
-_WAITING_STEP_S = 0.02  # requests wait on their prefetches: step at most this often
+_WAITING_STEP_S = 0.02  # requests wait on this rank's prefetches: step at most this often
+_PEER_STEP_S = 0.003  # requests wait on the other ranks' prefetches: step this often
 _PUBLISH_EVERY_S = 1.0
 
 
@@ -331,8 +332,11 @@ class RankActor:
             inbox = bool(self._inbox or self._abort_inbox)
         if inbox or rt.has_runnable_work:
             return 0.0
-        if rt.has_work:  # admitted requests wait on prefetches: no need to spin
-            return _WAITING_STEP_S
+        if rt.has_work:
+            # Admitted requests wait on prefetches. While this rank's own queries or reads
+            # run, their end wakes the loop; once they are done the requests wait on the
+            # other ranks' (whose end cannot wake rank 0): ask again soon.
+            return _WAITING_STEP_S if rt.ctl.prefetching else _PEER_STEP_S
         return _BUSY_STEP_S if rt.busy else self.config.idle_step_s
 
     def _step(self) -> None:

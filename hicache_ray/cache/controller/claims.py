@@ -154,6 +154,15 @@ class Claims:
         """Claims with an L3 prefetch, not taken yet."""
         return len(self._tasks)
 
+    @property
+    def local_work(self) -> bool:
+        """An L3 query or read of a claim not taken yet is running on this rank (its end
+        wakes the step loop); when none is, the claims wait on the agreement alone."""
+        return any(
+            not t.queried.is_set() or (t.read_started and not t.read_finished.is_set())
+            for t in self._tasks
+        )
+
     # ----------------------------------------------------------------- facts
 
     def facts(self, claims: Sequence[PrefixClaim]) -> list[int]:

@@ -292,6 +292,12 @@ class CacheController:
         return self.consensus.rank
 
     @property
+    def prefetching(self) -> bool:
+        """This rank's own L3 queries or reads for admitted requests are still running (a
+        step before they end cannot agree on more; their end wakes the step loop)."""
+        return self.claims.local_work
+
+    @property
     def device_pool(self) -> DevicePool:
         """This rank's L1 pool (the forward reads and writes its KV there)."""
         return self.cache.device_pool

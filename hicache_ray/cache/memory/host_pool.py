@@ -115,12 +115,12 @@ class HostPool:
     def object_view(
         self, page: int, layers: tuple[int, int] | None = None, heads: tuple[int, int] | None = None
     ) -> torch.Tensor | None:
-        """The pool's own bytes of an object when they are contiguous (reads from storage
-        can land there directly), else None (read into a buffer, then :meth:`write_object`)."""
+        """The pool's own bytes of an object when they are one view, contiguous or strided
+        (a read from storage lands there directly: a strided view in one strided copy),
+        else None (an object spanning layer groups: read into a buffer, then
+        :meth:`write_object`)."""
         parts = self._object_parts(page, layers, heads)
-        if len(parts) == 1 and parts[0][1].is_contiguous():
-            return parts[0][1]
-        return None
+        return parts[0][1] if len(parts) == 1 else None
 
     def write_object(
         self,
