@@ -156,6 +156,14 @@ class ControllerStats(msgspec.Struct, kw_only=True):
         int,
         counter("l3_backup_skipped_gap", "Backups skipped: the parent page is not in L3 (backups)"),
     ] = 0
+    backup_ran_beside_forward: Annotated[
+        int,
+        counter(
+            "l3_backup_ran_beside_forward",
+            "Forward passes during which backups kept running: their backlog held 1/8 of L2 "
+            "(forward passes)",
+        ),
+    ] = 0
     peer_failures: Annotated[
         int,
         counter(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -195,3 +198,41 @@ def test_write_back_backs_up_a_child_once_its_parent_is_stored() -> None:
     assert ctl.stats().backup_skipped_gap == 1
     ctl.check_integrity()
     ctl.close()
+
+
+class _GatedObjects(MemoryObjects):
+    """A memory store whose writes wait until ``gate`` is set (a slow L3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def write_many(self, keys: Any, headers: Any, payloads: Any) -> list[Exception | None]:
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().write_many(keys, headers, payloads)
+
+
+@pytest.mark.parametrize(("tokens", "paused"), [(16, True), (48, False)])
+def test_backups_behind_by_an_eighth_of_l2_run_beside_the_forward(
+    tokens: int, paused: bool
+) -> None:
+    # L2 holds 64 pages: 4 pages of backlog wait for the forward to end; 12 (over 1/8 of
+    # L2, locked until stored) keep running, so hits do not lose L2 to them.
+    objects = _GatedObjects()
+    ctl = make_controller(controller_config(), KV, objects)
+    assert ctl.cache.host_pool.num_pages == 64
+    try:
+        run_request(ctl, "a", prompt(1, tokens))
+        for _ in range(100):  # the host copies are acknowledged, the backups submitted
+            ctl.settle(timeout=0)
+            ctl.step()
+            if ctl.acks.pending_backup_pages:
+                break
+        assert ctl.acks.pending_backup_pages == tokens // PAGE
+        with ctl.computing():
+            assert ctl.backup.worker.open.is_set() is not paused
+        assert ctl.stats().backup_ran_beside_forward == int(not paused)
+    finally:
+        objects.gate.set()
+    drain(ctl)
+    assert stored_pages(objects, prompt(1, tokens)) == [True] * (tokens // PAGE)

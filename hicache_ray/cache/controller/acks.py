@@ -51,6 +51,11 @@ class Acknowledger:
     def pending_backups(self) -> int:
         return len(self._backups)
 
+    @property
+    def pending_backup_pages(self) -> int:
+        """L2 pages that submitted backups have yet to store (and hold locked until then)."""
+        return sum(len(t.hashes) - t.stored_pages for t in self._backups if not t.done)
+
     def wait_backups(self, timeout: float | None = None) -> None:
         """Block until every submitted backup has run (local; no collective)."""
         for task in list(self._backups):

@@ -55,6 +55,7 @@ __all__ = ["ARRIVAL_QUERY_WAIT_S", "CacheController", "StepResult"]
 # (a store round trip is about 1 ms here): a query that ends in time lets its request run
 # in this step; a slow or dead store costs this once per step, never more.
 ARRIVAL_QUERY_WAIT_S = 0.005
+BACKLOG_SHARE = 8  # backups behind by 1/8 of L2 run beside the forward (``computing``)
 
 
 @dataclass
@@ -339,8 +340,16 @@ class CacheController:
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        """Around a forward pass: background backups wait (between batches) until it ends."""
+        """Around a forward pass: backups wait (between batches) until it ends, unless 1/8
+        of L2 waits on them. NOTE: a backup holds its L2 pages until stored; under steady
+        load the rank computes nearly all the time, and backups paused for every forward
+        fill L2 with their pages: hits lose room (L3 reads fail for lack of slots, L1 -> L2
+        copies are skipped). ``backup_ran_beside_forward`` counts the passes they ran."""
         if self.backup is None:
+            yield
+            return
+        if self.acks.pending_backup_pages * BACKLOG_SHARE >= self.cache.host_pool.num_pages:
+            self.counters.backup_ran_beside_forward += 1
             yield
             return
         with self.backup.paused():

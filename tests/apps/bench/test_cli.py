@@ -109,7 +109,7 @@ def test_bench_runtime_quick_writes_every_figure(tmp_path: Path) -> None:
     assert by_name["runtime.l2_hit.overhead_vs_floor"].target == 1.5
     assert by_name["runtime.pure_miss.overhead_pct"].target == 3
     assert by_name["runtime.events.overhead_pct"].target == 3
-    assert by_name["runtime.hit_rest_ms.tp1"].target == 10.0
+    assert by_name["runtime.hit_rest_ms.in_process"].target == 10.0
     assert by_name["runtime.l3_prefetch_vs_store"].target == 2.0
     assert by_name["runtime.l1.ttft_split.forward_s_p50_ms"].value > 0
     import pstats
@@ -182,3 +182,17 @@ def test_runtime_on_deployments_times_l1_hits_at_each_tp(ray_local: None) -> Non
     client = by_name["runtime.l1_client_ttft_ms.tp2"]
     assert client.value > 0 and client.ceiling is not None and client.ceiling > 0
     assert by_name["runtime.l1_tp2.ttft_split.forward_s_p50_ms"].value > 0
+    assert by_name["runtime.hit_rest_rank_ms.tp2"].value >= 0  # the old clock, beside
+
+
+def test_an_l3_hit_on_a_fresh_deployment_beside_bare_reads(ray_local: None) -> None:
+    from apps.bench.runtime_l3 import l3_hit_figures
+    from hicache_ray.engine.model import preset
+
+    found = l3_hit_figures(preset("tiny4"), (2,), 320, repeats=1, log=lambda _: None)
+    by_name = {f.name: f for f in found}
+    wait = by_name["runtime.l3_hit.wait_vs_store.tp2"]
+    assert wait.target == 1.5 and wait.ceiling is not None and wait.ceiling > 0
+    assert by_name["runtime.l3_hit.ttft_vs_l1.tp2"].target == 60.0
+    assert by_name["runtime.l3_hit.ttft_ms.tp2"].value > 0
+    assert by_name["runtime.l3_hit.tp2.ttft_split.prefetch_s_p50_ms"].value > 0
