@@ -8,9 +8,9 @@ tokens (every page from L1): ``runtime.l3_hit.ttft_vs_l1.tp{N}`` is the differen
 medians of the two TTFTs at the caller (``RequestResult.caller_ttft_s``). The ceiling of
 the L3 hit's wait (``query_s + agreement_s + prefetch_s`` of its split: admitted to
 started) is what the same shards take to hand the same objects to as many readers at once
-with bare Ray calls: ``locate`` on every shard, ``ray.get`` of the references and one copy
-of each payload into a host buffer, no checksum, no slack
-(``runtime.l3_hit.wait_vs_store.tp{N}``, medians).
+with bare Ray calls: fresh actors (as the deployment's ranks are fresh) calling ``locate``
+on every shard, ``ray.get`` of the references and one copy of each payload into a host
+buffer, no checksum, no slack (``runtime.l3_hit.wait_vs_store.tp{N}``, medians).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class _BareReader:
             self._by_shard.setdefault(xxhash.xxh64_intdigest(key.encode()) % n, []).append(key)
         self._keys = len(keys)
 
+    def ready(self) -> bool:
+        return True
+
     def read(self) -> tuple[float, int]:
         """Seconds to locate, fetch and copy every payload once, and the bytes copied."""
         started = time.perf_counter()
@@ -73,20 +76,23 @@ class _BareReader:
 
 
 def _bare_read_s(model: ModelConfig, cache: CacheConfig, tp: int, prefix: list[int]) -> float:
-    """Median over 3 of the slowest of ``tp`` bare readers reading at once (after one
-    warm-up read each)."""
+    """Median over 3 of the slowest of ``tp`` bare readers reading at once, each a fresh
+    actor reading for the first time (as a fresh deployment's ranks do: the first access
+    maps the store's memory into the process)."""
     hashes = page_hashes(encode_tokens(prefix), cache.page_size)
-    readers = []
+    keys = []
     for rank in range(tp):
         shard = Shard(tp_rank=rank, tp_size=tp)
         kv = ShardKV(model=model.model_kv(), shard=shard, page_size=cache.page_size)
         plan = plan_shard(kv, cache)
-        keys = [k for h in hashes for k in plan.keys(h)]
-        readers.append(_BareReader.remote(cache.storage.ray, keys))  # type: ignore[attr-defined]
-    ray.get([r.read.remote() for r in readers])
-    times = [max(t for t, _ in ray.get([r.read.remote() for r in readers])) for _ in range(3)]
-    for r in readers:
-        ray.kill(r)
+        keys.append([k for h in hashes for k in plan.keys(h)])
+    times = []
+    for _ in range(3):
+        readers = [_BareReader.remote(cache.storage.ray, ks) for ks in keys]  # type: ignore[attr-defined]
+        ray.get([r.ready.remote() for r in readers])  # started, not timed
+        times.append(max(t for t, _ in ray.get([r.read.remote() for r in readers])))
+        for r in readers:
+            ray.kill(r)
     return float(statistics.median(times))
 
 

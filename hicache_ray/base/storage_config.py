@@ -201,7 +201,8 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
         batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch.
         read_threads: threads (1 to 64) that read one prefetch batch, each a consecutive
             share of its pages of at least 4 MiB (verifying a page as it is copied is one
-            core's work: one thread reads far below memory bandwidth).
+            core's work: one thread reads far below memory bandwidth); a store that copies
+            on threads of its own (``ray``) is read in one.
         key_scheme: ``unified`` (SGLang's topology-free keys, shared across TP and PP
             sizes) or ``rank-suffix``.
         model_id: model name in the namespace; required with a backend (a deployment of a

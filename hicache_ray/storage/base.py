@@ -62,6 +62,12 @@ class StorageBackend(ABC):
 
     name: str = "abstract"
 
+    @property
+    def reads_in_parallel(self) -> bool:
+        """Whether one :meth:`get` already copies its pages on several threads (a caller
+        that splits a batch over threads of its own then only oversubscribes the cores)."""
+        return False
+
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> int:
         """Number of leading ``keys`` present (stops at the first absent key).
@@ -87,8 +93,9 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
-        """Read leading pages into ``buffers`` (contiguous CPU tensors of each page's
-        dtype and shape) and verify them; returns how many leading pages are valid.
+        """Read leading pages into ``buffers`` (CPU tensors of each page's dtype and shape:
+        contiguous, or a strided view of a pool, filled in one strided pass) and verify
+        them; returns how many leading pages are valid.
 
         Buffers past the returned count are zero-filled (never unverified bytes, whatever
         the store read ahead). A page that fails verification is deleted and

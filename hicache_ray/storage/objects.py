@@ -47,6 +47,8 @@ class ObjectStore(ABC):
     #: are written. A store whose writes hold the GIL between short releases (``ray.put``
     #: slows down many times beside a busy Python thread) hashes on the writing thread.
     hash_ahead: bool = True
+    #: One ``read_many`` copies its payloads on several threads of its own.
+    reads_in_parallel: bool = False
 
     @abstractmethod
     def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:

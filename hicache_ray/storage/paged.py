@@ -135,6 +135,10 @@ class PagedBackend(PageWrites, StorageBackend):
                     self._index.note_absent(key, now)
         return found + [False] * (len(keys) - len(found))
 
+    @property
+    def reads_in_parallel(self) -> bool:
+        return self.objects.reads_in_parallel
+
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
         self._check_tensors("buffer", keys, buffers)
         outs: list[ReadOut] = [
