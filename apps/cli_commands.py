@@ -197,17 +197,32 @@ def bench_soak(args: argparse.Namespace, _: None) -> int:
 def bench_route(args: argparse.Namespace, _: None) -> int:
     from apps.bench.options import RouteOptions
     from apps.bench.route_bench import run_route_bench
+    from apps.bench.serve_plot import plot_route
 
     base = RouteOptions.quick_options() if args.quick else RouteOptions()
     opts = dataclasses.replace(base, **flag_values(args, RouteOptions))
     figures = run_route_bench(opts, _log)
-    status = finish(args, "bench route", dataclasses.asdict(opts), figures)
-    if args.json:
-        from apps.bench.serve_plot import plot_route
+    return _plotted(
+        args,
+        "bench route",
+        opts,
+        figures,
+        lambda png: plot_route(figures, opts.replicas, opts.routers, png),
+    )
 
+
+def _plotted(
+    args: argparse.Namespace,
+    command: str,
+    opts: Any,
+    figures: list[Any],
+    draw: Callable[[Path], bool],
+) -> int:
+    """:func:`finish`, then with ``--json`` a PNG beside it; exit 1 when a target is missed."""
+    status = finish(args, command, dataclasses.asdict(opts), figures)
+    if args.json:
         png = Path(args.json).with_suffix(".png")
-        drawn = plot_route(figures, opts.replicas, opts.routers, png)
-        _log(f"wrote {png}" if drawn else "no matplotlib: no plot")
+        _log(f"wrote {png}" if draw(png) else "no matplotlib: no plot")
     return status or _missed(figures)
 
 
@@ -243,12 +258,9 @@ def bench_trace(args: argparse.Namespace, _: None) -> int:
     base = TraceOptions.quick_options() if args.quick else TraceOptions()
     opts = dataclasses.replace(base, **flag_values(args, TraceOptions))
     figures = run_trace_bench(opts, _log)
-    status = finish(args, "bench trace", dataclasses.asdict(opts), figures)
-    if args.json:
-        png = Path(args.json).with_suffix(".png")
-        drawn = plot_trace(figures, list(opts.modes), png)
-        _log(f"wrote {png}" if drawn else "no matplotlib: no plot")
-    return status or _missed(figures)
+    return _plotted(
+        args, "bench trace", opts, figures, lambda png: plot_trace(figures, list(opts.modes), png)
+    )
 
 
 def serve_bench(args: argparse.Namespace, opts: Any) -> int:

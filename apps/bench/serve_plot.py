@@ -5,21 +5,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from apps.report import Figure
 
 __all__ = ["plot_route", "plot_serve"]
 
 
-def plot_serve(figures: Sequence[Figure], modes: Sequence[str], path: str | Path) -> bool:
-    """Requests/s per mode, and TTFT / inter-token latency p50-p99 per mode; False when
-    matplotlib is not installed (nothing written)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_serve(figures: Sequence[Figure], modes: Sequence[str], path: str | Path) -> bool:
+    """Requests/s per mode, and TTFT / inter-token latency p50-p99 per mode; False when
+    matplotlib is not installed (nothing written)."""
+    plt = _pyplot()
+    if plt is None:
         return False
     value = {f.name: f.value for f in figures}
     modes = [m for m in modes if f"serve.{m}.requests_per_s" in value]
@@ -54,12 +63,8 @@ def plot_route(
 ) -> bool:
     """Cached prompt tokens and TTFT p50 per router, one group per replica count; False
     when matplotlib is not installed (nothing written)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
     value = {f.name: f.value for f in figures}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -86,12 +91,8 @@ def plot_route(
 def plot_trace(figures: Sequence[Figure], modes: Sequence[str], path: str | Path) -> bool:
     """Hits over the ideal per mode (base and overload runs) and TTFT p50-p99 per mode;
     False when matplotlib is not installed (nothing written)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
     value = {f.name: f.value for f in figures}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
