@@ -78,7 +78,7 @@ def compatible_io_backends(layout: str) -> tuple[str, ...]:
     return tuple(b for b, layouts in _COMPATIBLE.items() if layout in layouts)
 
 
-class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
+class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """L1 (device) and L2 (host) pool settings.
 
     Attributes:
@@ -141,7 +141,7 @@ class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.device_tokens // self.page_size
 
 
-class WriteConfig(msgspec.Struct, frozen=True, kw_only=True):
+class WriteConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """When device pages are copied to the host pool.
 
     Attributes:
@@ -167,7 +167,7 @@ class WriteConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.hit_threshold or DEFAULT_HIT_THRESHOLDS[self.policy]
 
 
-class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True):
+class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """L3 -> L2 prefetch settings.
 
     Attributes:
@@ -207,7 +207,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True):
         return min(raw, self.timeout_cap_s)
 
 
-class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a rank batches its requests (continuous batching with chunked prefills).
 
     Attributes:
@@ -230,7 +230,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
         check_positive("scheduler.max_queued", self.max_queued)
 
 
-class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the per-rank cache needs, grouped by concern."""
 
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)

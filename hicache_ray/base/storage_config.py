@@ -40,7 +40,7 @@ _FAULT_OPS: dict[str, tuple[str, ...]] = {
 }
 
 
-class Fault(msgspec.Struct, frozen=True, kw_only=True):
+class Fault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One fault-injection rule for L3 storage: which operation, what happens, how often.
 
     Applied by :class:`hicache_ray.storage.faults.FaultyObjects` under the verification
@@ -76,7 +76,7 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
             check_not_negative(f"fault.{name}", getattr(self, name))
 
 
-class MemoryStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
+class MemoryStorageOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of the ``memory`` backend (one process; for tests and single-process runs).
 
     Attributes:
@@ -91,7 +91,7 @@ class MemoryStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
         check_not_negative("memory.capacity_bytes", self.capacity_bytes)
 
 
-class FileStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
+class FileStorageOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of the ``file`` backend (any ``pyarrow.fs`` filesystem).
 
     Attributes:
@@ -120,7 +120,7 @@ class FileStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
         check_positive("file.timeout_s", self.timeout_s)
 
 
-class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True):
+class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of the ``ray`` backend (pages in the Ray object store, see ``actors``).
 
     Attributes:
@@ -193,7 +193,7 @@ def _check_sizes(field: str, sizes: tuple[int, ...]) -> None:
 MAX_READ_THREADS = 64
 
 
-class StorageConfig(msgspec.Struct, frozen=True, kw_only=True):
+class StorageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """L3 settings: backend, key namespace, sharing and batching.
 
     Attributes:

@@ -233,6 +233,9 @@ def test_a_requests_own_salt_names_other_pages() -> None:
         ({"store": "file"}, "file.root"),
         ({"layout": "paged"}, "layout"),
         ({"max_pending_saves": 0}, "max_pending_saves"),
+        # a misspelled key at any depth is refused with its path, never defaulted
+        ({"store": "ray", "ray": {"nmae": "shared"}}, r"unknown field `nmae` - at `\$\.ray`"),
+        ({"store": "file", "file": {"root": "/x", "scan": 1}}, r"`scan` - at `\$\.file`"),
     ],
 )
 def test_bad_extra_config_is_refused_naming_the_option(extra: Any, named: str) -> None:
