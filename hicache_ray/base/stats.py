@@ -161,7 +161,7 @@ class ControllerStats(msgspec.Struct, kw_only=True):
         counter(
             "l3_backup_ran_beside_forward",
             "Forward passes during which backups kept running: their backlog held 1/8 of L2 "
-            "(forward passes)",
+            "(passes)",
         ),
     ] = 0
     peer_failures: Annotated[
