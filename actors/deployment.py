@@ -3,10 +3,11 @@
 :meth:`Deployment.launch` places the ranks (one bundle each, see :mod:`placement`), starts
 one :class:`~actors.rank.RankActor` per rank in its bundle, has rank 0 bind the rendezvous
 store and every rank join the groups. Requests go to rank 0 (:meth:`Deployment.generate`,
-:meth:`Deployment.submit`, :meth:`Deployment.generate_async`) once they passed
-:func:`~hicache_ray.engine.request.check_request` here: a bad request gets its own error result and
-never reaches a rank. Every rank runs them in lock step; rank 0 answers with each request's
-result and cache statistics. States, recovery and shutdown: :mod:`actors.lifecycle`."""
+:meth:`Deployment.submit`, :meth:`Deployment.generate_async`), which checks each one once
+(a named rank is a door of its own); a bad one gets its own error result. This door checks
+what it alone knows (:func:`~actors.lifecycle.door`). Every rank runs them in lock step;
+rank 0 answers with each request's result and cache statistics. States, recovery and
+shutdown: :mod:`actors.lifecycle`."""
 
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ from actors.lifecycle import (
     ReformFailed,
     at_caller,
     describe_failure,
+    door,
     is_rank_failure,
     replay,
+    send,
 )
 from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
-from hicache_ray.base.stats import RankHealth
+from actors.stats import RankHealth
 from hicache_ray.cache.events import EventBatch, check_position
 from hicache_ray.engine.request import (
     GenerateRequest,
@@ -43,8 +46,6 @@ from hicache_ray.engine.request import (
     RequestResult,
     StreamChunk,
     check_batch,
-    check_limits,
-    check_request,
     error_result,
 )
 from hicache_ray.engine.spec import DeploymentConfig
@@ -121,13 +122,15 @@ class Deployment(RankSet):
         rids: set[str] = set()
         for i, raw in enumerate(batch):
             try:
-                request = self._check(raw)
-                if request.rid in rids:
-                    raise RequestError("rid", f"{request.rid!r} appears twice in this call")
+                request = door(raw)
+                rid = request.rid if type(request.rid) is str else None  # else rank 0 refuses it
+                if rid is not None and rid in rids:
+                    raise RequestError("rid", f"{rid!r} appears twice in this call")
             except RequestError as exc:
                 results[i] = error_result(raw, str(exc))
                 continue
-            rids.add(request.rid)
+            if rid is not None:
+                rids.add(rid)
             running[i] = self._start(self._run(request))
         for i, future in running.items():
             results[i] = future.result()
@@ -150,7 +153,7 @@ class Deployment(RankSet):
     async def generate_async(self, request: GenerateRequest) -> RequestResult:
         """:meth:`generate` of one request for asyncio callers (a Serve replica)."""
         try:
-            checked = self._check(request)
+            checked = door(request)
         except RequestError as exc:
             return error_result(request, str(exc))
         return await self._run(checked)
@@ -161,7 +164,11 @@ class Deployment(RankSet):
         async for rank0 in self._attempts(attempt):
             try:
                 for _ in range(_READMIT_TRIES):
-                    result: RequestResult = await self._get_async(rank0.generate.remote(request))
+                    try:
+                        ref = send(rank0.generate, request)
+                    except RequestError as exc:
+                        return error_result(request, str(exc))
+                    result: RequestResult = await self._get_async(ref)
                     if not attempt.refused(result):
                         break
                     await asyncio.sleep(_READMIT_S)
@@ -182,7 +189,7 @@ class Deployment(RankSet):
             DeploymentError: shut down, a retried run diverged, or no retry left.
         """
         try:
-            checked = self._check(request)
+            checked = door(request)
         except RequestError as exc:
             yield StreamChunk(tokens=[], result=error_result(request, str(exc)))
             return
@@ -207,6 +214,10 @@ class Deployment(RankSet):
                         return
             except (RayActorError, RayTaskError) as exc:
                 self._rank_failed(attempt, exc)
+            except RequestError as exc:  # Ray could not send it
+                done = True
+                yield StreamChunk(tokens=[], result=error_result(checked, str(exc)))
+                return
             finally:
                 if not done and not self._closed.is_set() and attempt.cause is None:
                     rank0.abort.remote(checked.rid)  # the caller stopped listening
@@ -260,7 +271,7 @@ class Deployment(RankSet):
     ) -> AsyncIterator[StreamChunk]:
         """Chunks of ``request`` on ``rank0``; a refused retry is offered again (_READMIT_S)."""
         for _ in range(_READMIT_TRIES):
-            chunks = self._chunks(rank0.generate_stream.remote(request))
+            chunks = self._chunks(send(rank0.generate_stream, request))
             first = await anext(chunks)
             if not attempt.refused(first.result):
                 break
@@ -279,13 +290,6 @@ class Deployment(RankSet):
         ranks = self._ranks()
         if ranks:
             ranks[0].abort.remote(rid)
-
-    def _check(self, request: object) -> GenerateRequest:
-        checked = check_request(request)
-        capacity = self.config.cache.memory.num_device_pages * self.config.cache.page_size
-        model = self.config.model
-        check_limits(checked, model.vocab_size, capacity, model.max_context)
-        return checked
 
     async def _get_async(self, ref: Any) -> Any:
         future = asyncio.wrap_future(ref.future())

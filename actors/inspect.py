@@ -14,7 +14,7 @@ import msgspec
 import ray
 
 from actors.shards import NAMESPACE
-from hicache_ray.base.stats import ShardStats
+from actors.stats import ShardStats
 
 __all__ = ["cluster_stats", "object_store_usage"]
 

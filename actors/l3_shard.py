@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from hicache_ray.base.stats import ShardStats
+from actors.stats import ShardStats
 
 __all__ = ["PageShard"]
 

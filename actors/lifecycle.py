@@ -25,14 +25,15 @@ bounded (waits are sliced, each slice checks for shutdown).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.rank import RankFailure
+from actors.stats import RankStats
 from hicache_ray.base.errors import HiCacheError
-from hicache_ray.base.stats import RankStats
-from hicache_ray.engine.request import ErrorKind, RequestResult
+from hicache_ray.engine.request import ErrorKind, GenerateRequest, RequestError, RequestResult
 
 __all__ = [
     "Attempt",
@@ -43,8 +44,10 @@ __all__ = [
     "Reform",
     "ReformFailed",
     "describe_failure",
+    "door",
     "is_rank_failure",
     "replay",
+    "send",
 ]
 
 
@@ -141,3 +144,20 @@ def at_caller(result: RequestResult, call_s: float) -> RequestResult:
         result.ttft_split.call_s = max(0.0, call_s)
         result.caller_ttft_s = result.ttft_s + result.ttft_split.call_s
     return result
+
+
+def door(request: object) -> GenerateRequest:
+    """What ``Deployment`` alone checks of one request: that it is one (and, per call, that
+    no id comes twice; :func:`send`: that Ray can send it). Its fields are checked once, by
+    rank 0 (``RankRuntime.check``: the same ``field: problem`` errors)."""
+    if not isinstance(request, GenerateRequest):
+        raise RequestError("request", f"expected a GenerateRequest, got {type(request).__name__}")
+    return request
+
+
+def send(method: Any, request: GenerateRequest) -> Any:
+    """``method.remote(request)``; a request Ray cannot serialise is refused alone."""
+    try:
+        return method.remote(request)
+    except TypeError as exc:
+        raise RequestError("request", f"cannot be sent to the ranks: {exc}") from None

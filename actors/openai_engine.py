@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
-from actors.deployment import Deployment, DeploymentError
+from actors.deployment import Deployment
+from actors.lifecycle import DeploymentError
 from hicache_ray.engine.request import (
     ErrorKind,
     GenerateRequest,

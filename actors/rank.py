@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from actors.faults import FaultHooks, RankFault
 from actors.metrics import StatsPublisher
+from actors.stats import RankHealth, RankStats
 from actors.waiter import Waiter
 from hicache_ray.base.errors import HiCacheError
-from hicache_ray.base.stats import RankHealth, RankStats
 from hicache_ray.cache.controller import CacheController, start_rendezvous
 from hicache_ray.cache.controller.consensus import Rendezvous
 from hicache_ray.cache.events import EventBatch, check_position
@@ -93,7 +94,7 @@ class RankActor:
         self.model_backend = ""  # gloo or nccl, once the groups are joined
         self._publisher = StatsPublisher(config.name, rank)
         self._published_at = 0.0
-        self._pause_s = 0.0
+        self._faults: FaultHooks | None = None  # none unless a test injects one
 
     # --------------------------------------------------------------- forming
 
@@ -259,38 +260,20 @@ class RankActor:
         if self.controller is not None and self.controller.storage is not None:
             self.controller.storage.flush()
 
-    def pause(self, seconds: float) -> None:
-        """Fault injection (tests, ``bench faults``): the step thread stalls for
-        ``seconds`` before its next step, as a hung rank would."""
-        self._pause_s = seconds
+    def inject(self, fault: RankFault) -> None:
+        """Fault injection (tests, ``bench faults``): see :class:`~actors.faults.RankFault`.
 
-    def crash_at(self, phase: str) -> None:
-        """Fault injection: the process exits (as a crash would) the next time its step
-        reaches ``phase`` ("admit": requests admitted, prefetches running; "prefill";
-        "decode")."""
-        if phase not in ("admit", "prefill", "decode"):
-            raise ValueError(f"unknown phase {phase!r}")
-        assert self.runtime is not None
-
-        def crash(reached: str, rid: str) -> None:
-            if reached == phase:
-                log.error("rank %d: crashing at %s (fault injection)", self.rank, phase)
-                os._exit(1)
-
-        self.runtime.on_phase = crash
-
-    def raise_for(self, rid: str, phase: str = "prefill") -> None:
-        """Fault injection: raise while running request ``rid`` at ``phase`` ("prefill" or
-        "decode"), as a request that breaks the model code would (on every rank asked)."""
-        if phase not in ("prefill", "decode"):
-            raise ValueError(f"unknown phase {phase!r}")
-        assert self.runtime is not None
-
-        def poison(reached: str, current: str) -> None:
-            if reached == phase and current == rid:
-                raise ValueError(f"injected failure of {rid} at {phase}")
-
-        self.runtime.on_phase = poison
+        Raises:
+            ValueError: a fault that cannot be injected.
+        """
+        if not isinstance(fault, RankFault):
+            raise ValueError(f"expected a RankFault, got {type(fault).__name__}")
+        if self._faults is None:
+            self._faults = FaultHooks(self.rank)
+        self._faults.add(fault)
+        if fault.kind != "pause":
+            assert self.runtime is not None
+            self.runtime.on_phase = self._faults.on_phase
 
     def check_integrity(self) -> None:
         """The cache's invariants, checked between two steps."""
@@ -322,9 +305,8 @@ class RankActor:
     def _pace(self) -> float:
         """Seconds the step loop waits before the next step (rank 0 sets the pace; the
         others follow it, waiting in the step's collectives)."""
-        if self._pause_s:  # fault injection: stall outside the step, as a hung rank would
-            pause, self._pause_s = self._pause_s, 0.0
-            time.sleep(pause)
+        if self._faults is not None:  # stall outside the step, as a hung rank would
+            self._faults.before_step()
         rt = self.runtime
         if self.rank != 0 or rt is None:
             return 0.0

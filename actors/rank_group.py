@@ -14,8 +14,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.rank import RankActor
+from actors.stats import RankHealth
 from hicache_ray.base.errors import ConfigError
-from hicache_ray.base.stats import RankHealth
 from hicache_ray.engine.spec import DeploymentConfig
 from placement.groups import StageGroups
 

@@ -40,8 +40,8 @@ from actors.shards import (
     mark_dropped,
     shard_handle,
 )
-from hicache_ray.base.config import RayStorageOptions, StorageConfig
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome

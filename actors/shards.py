@@ -11,8 +11,8 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.l3_shard import PageShard
-from hicache_ray.base.config import RayStorageOptions
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import RayStorageOptions
 
 __all__ = [
     "NAMESPACE",

@@ -19,8 +19,8 @@ import ray
 
 from actors.ray_store import RayObjects
 from actors.shards import NAMESPACE, mark_dropped, shard_name
-from hicache_ray.base.config import RayStorageOptions
-from hicache_ray.base.stats import ShardStats
+from actors.stats import ShardStats
+from hicache_ray.base.storage_config import RayStorageOptions
 
 __all__ = [
     "StoreInfo",

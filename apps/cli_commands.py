@@ -306,7 +306,7 @@ def store(args: argparse.Namespace, _: None) -> int:
         rest = [] if args.action == "ls" else [args.name]
         return run_in_cluster(args, ["store", args.action, *rest, "--timeout", str(args.timeout)])
     from actors.stores import clear_store, drop_store, list_stores
-    from hicache_ray.base.config import RayStorageOptions
+    from hicache_ray.base.storage_config import RayStorageOptions
 
     with connected(args.address, args.timeout):
         found = {s.name: s for s in list_stores(timeout_s=args.timeout)}

@@ -97,6 +97,7 @@ def config_reference(classes: list[type], prefixes: dict[type, str]) -> str:
 
 def _configuration() -> str:
     from hicache_ray.base import config as c
+    from hicache_ray.base import storage_config as sc
     from hicache_ray.engine.model.config import ModelConfig
     from hicache_ray.engine.spec import DeploymentConfig
     from hicache_ray.integrations.sglang.setup import SGLangStoreOptions
@@ -107,11 +108,11 @@ def _configuration() -> str:
         c.MemoryConfig,
         c.WriteConfig,
         c.PrefetchConfig,
-        c.StorageConfig,
-        c.MemoryStorageOptions,
-        c.FileStorageOptions,
-        c.RayStorageOptions,
-        c.Fault,
+        sc.StorageConfig,
+        sc.MemoryStorageOptions,
+        sc.FileStorageOptions,
+        sc.RayStorageOptions,
+        sc.Fault,
         c.SchedulerConfig,
         DeploymentConfig,
         ModelConfig,

@@ -23,7 +23,7 @@ from apps.multiturn.driver import Progress, mode_cache, oracle_hits, replay_roun
 from apps.multiturn.options import ExperimentOptions
 from apps.multiturn.report import Series, figures, table
 from apps.report import Figure, figure
-from hicache_ray.base.config import Fault, RayStorageOptions, StorageConfig
+from hicache_ray.base.storage_config import Fault, RayStorageOptions, StorageConfig
 from hicache_ray.engine.model import preset
 from hicache_ray.engine.reference import recompute
 

@@ -23,16 +23,11 @@ import ray
 import torch
 
 from actors import Deployment, DeploymentConfig, drop_store
-from hicache_ray.base.config import (
-    CacheConfig,
-    MemoryConfig,
-    PrefetchConfig,
-    RayStorageOptions,
-    StorageConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.engine.model import preset
 from hicache_ray.engine.reference import recompute
-from hicache_ray.engine.runtime import GenerateRequest
+from hicache_ray.engine.request import GenerateRequest
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

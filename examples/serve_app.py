@@ -26,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from actors import Deployment, DeploymentConfig
-from actors.deployment import DeploymentError
+from actors.lifecycle import DeploymentError
 from actors.stores import drop_store
-from hicache_ray.base.config import CacheConfig, MemoryConfig, RayStorageOptions, StorageConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.engine.model import preset
 from hicache_ray.engine.request import GenerateRequest
 

@@ -11,16 +11,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hicache_ray.base.config import (
-        CacheConfig,
-        MemoryConfig,
-        PrefetchConfig,
-        StorageConfig,
-        WriteConfig,
-    )
+    from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, WriteConfig
     from hicache_ray.base.errors import AllocatorError, ConfigError, HiCacheError, TransferError
     from hicache_ray.base.layout import ModelKV, Shard, ShardKV
     from hicache_ray.base.stats import CacheStats
+    from hicache_ray.base.storage_config import StorageConfig
     from hicache_ray.cache.handle import CacheFullError, CacheHandle
     from hicache_ray.cache.hicache import HiCache
 

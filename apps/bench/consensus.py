@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from apps.report import Figure, figure, fp16_kv, time_into
-from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
 from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.cache.controller import (
     Arrival,
     CacheController,

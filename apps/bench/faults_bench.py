@@ -32,26 +32,28 @@ import msgspec
 import ray
 import torch
 
-from actors.deployment import Deployment, DeploymentError
+from actors.deployment import Deployment
+from actors.faults import Phase, RankFault
+from actors.lifecycle import DeploymentError
 from actors.shards import NAMESPACE
 from actors.stores import drop_store, store_stats
 from apps.bench.options import FAULT_SCENARIOS, FaultOptions
 from apps.experiments import embedded_ray, shared_storage
 from apps.report import Figure, figure
-from hicache_ray.base.config import (
-    CacheConfig,
-    Fault,
-    MemoryConfig,
-    PrefetchConfig,
-    RayStorageOptions,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
+from hicache_ray.base.storage_config import Fault, RayStorageOptions
 from hicache_ray.engine.model import preset
 from hicache_ray.engine.reference import recompute
-from hicache_ray.engine.runtime import GenerateRequest, RequestResult
+from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig
 
 __all__ = ["run_faults"]
 
+_RANK_KILLED: dict[str, Phase] = {
+    "rank_killed_admit": "admit",
+    "rank_killed_prefill": "prefill",
+    "rank_killed_decode": "decode",
+}
 _STORAGE_FAULTS = {
     "l3_corrupt_pages": (Fault(op="write", kind="corrupt", probability=0.3),),
     "l3_write_failures": (Fault(op="write", kind="fail", probability=0.5),),
@@ -83,10 +85,14 @@ def _config(name: str, opts: FaultOptions, store: RayStorageOptions) -> Deployme
 
 
 def _inject(name: str, deployment: Deployment, store: RayStorageOptions) -> None:
-    if name.startswith("rank_killed_"):
-        ray.get(deployment.ranks[1].crash_at.remote(name.removeprefix("rank_killed_")))
+    if name in _RANK_KILLED:
+        ray.get(deployment.ranks[1].inject.remote(RankFault.crash(_RANK_KILLED[name])))
     elif name == "rank_stalled":
-        ray.get(deployment.ranks[1].pause.remote(10 * deployment.config.consensus_timeout_s))
+        ray.get(
+            deployment.ranks[1].inject.remote(
+                RankFault.pause(10 * deployment.config.consensus_timeout_s)
+            )
+        )
     elif name == "l3_shard_killed":
         for i in range(store.num_shards):
             shard = ray.get_actor(f"hicache-l3-{store.name}-{i}", namespace=NAMESPACE)

@@ -28,17 +28,12 @@ import torch
 
 from apps.bench.workload import random_tokens
 from apps.report import Figure, figure, percentile, split_figures
-from hicache_ray.base.config import (
-    CacheConfig,
-    MemoryConfig,
-    PrefetchConfig,
-    StorageConfig,
-    WriteConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, WriteConfig
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.cache.tree import SILENT
 from hicache_ray.engine.compose import compose_rank
 from hicache_ray.engine.model import ModelConfig, preset
-from hicache_ray.engine.runtime import GenerateRequest, RequestResult
+from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
 

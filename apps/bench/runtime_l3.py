@@ -30,8 +30,9 @@ from actors.stores import drop_store
 from apps.bench.workload import random_tokens
 from apps.experiments import shared_storage
 from apps.report import Figure, figure, split_figures
-from hicache_ray.base.config import CacheConfig, MemoryConfig, RayStorageOptions
+from hicache_ray.base.config import CacheConfig, MemoryConfig
 from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.base.storage_config import RayStorageOptions
 from hicache_ray.base.tokens import encode_tokens
 from hicache_ray.engine.model import ModelConfig
 from hicache_ray.engine.request import GenerateRequest, RequestResult

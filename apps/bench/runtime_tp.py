@@ -21,7 +21,8 @@ from actors.deployment import Deployment
 from apps.bench.workload import random_tokens
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile, split_figures
-from hicache_ray.base.config import CacheConfig, MemoryConfig, StorageConfig, WriteConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, WriteConfig
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.engine.model import ModelConfig
 from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig

@@ -29,7 +29,7 @@ import torch
 
 from apps.bench.storage_ceilings import RawRay, ensure_ray, warm_object_store
 from apps.report import Figure, figure
-from hicache_ray.base.config import RayStorageOptions
+from hicache_ray.base.storage_config import RayStorageOptions
 from hicache_ray.base.views import byte_view
 from hicache_ray.integrations.sglang.host_layouts import HostGeometry, buffer_shape
 from hicache_ray.keys import page_hashes

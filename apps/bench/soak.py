@@ -24,24 +24,22 @@ from typing import Any
 import ray
 
 from actors.deployment import Deployment
+from actors.faults import Phase, RankFault
 from actors.inspect import object_store_usage
 from actors.stores import drop_store
 from apps.bench.options import SoakOptions
 from apps.experiments import embedded_ray, shared_storage
 from apps.report import Figure, figure
-from hicache_ray.base.config import (
-    CacheConfig,
-    Fault,
-    MemoryConfig,
-    PrefetchConfig,
-    RayStorageOptions,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
+from hicache_ray.base.storage_config import Fault, RayStorageOptions
 from hicache_ray.engine.model import preset
 from hicache_ray.engine.reference import recompute
-from hicache_ray.engine.runtime import GenerateRequest, RequestResult
+from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig
 
 __all__ = ["SoakOptions", "run_soak"]
+
+_PHASES: dict[str, Phase] = {"admit": "admit", "prefill": "prefill", "decode": "decode"}
 
 _DRAIN_POLL_S = 0.5  # how often the drain checks that the object store emptied
 
@@ -78,9 +76,9 @@ def _inject(deployment: Deployment, rnd: random.Random) -> str | None:
         return None
     actor = ranks[rank]
     if kind == "stall":
-        actor.pause.remote(10 * deployment.config.consensus_timeout_s)
+        actor.inject.remote(RankFault.pause(10 * deployment.config.consensus_timeout_s))
     else:
-        actor.crash_at.remote(kind)
+        actor.inject.remote(RankFault.crash(_PHASES[kind]))
     return f"rank {rank} {kind}"
 
 

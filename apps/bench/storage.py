@@ -34,13 +34,8 @@ from apps.bench.storage_ceilings import (
     warm_object_store,
 )
 from apps.report import Figure, figure, fp16_kv, time_into
-from hicache_ray.base.config import (
-    CacheConfig,
-    FileStorageOptions,
-    MemoryConfig,
-    RayStorageOptions,
-    StorageConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig
+from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
 from hicache_ray.base.views import byte_view
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
 from hicache_ray.storage import StorageBackend, create_backend

@@ -27,8 +27,8 @@ import torch
 
 from apps.bench.storage_ceilings import RawRay, ensure_ray, warm_object_store
 from apps.report import Figure, figure, time_into
-from hicache_ray.base.config import RayStorageOptions, StorageConfig
 from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.base.views import byte_view
 from hicache_ray.integrations.vllm.blocks import BlockMover
 from hicache_ray.integrations.vllm.pages import PageJob

@@ -21,8 +21,9 @@ from apps.multiturn.options import MODES
 from apps.multiturn.oracle import OracleRequest, lru_hit_tokens
 from apps.multiturn.report import RoundSummary
 from apps.multiturn.trace import Trace
-from hicache_ray.base.config import CacheConfig, StorageConfig, WriteConfig
-from hicache_ray.engine.runtime import GenerateRequest, RequestResult
+from hicache_ray.base.config import CacheConfig, WriteConfig
+from hicache_ray.base.storage_config import StorageConfig
+from hicache_ray.engine.request import GenerateRequest, RequestResult
 
 __all__ = ["MODES", "Progress", "mode_cache", "oracle_hits", "replay_rounds", "serve_rounds"]
 

@@ -10,14 +10,14 @@ from typing import Any
 from apps.multiturn.trace import Lengths, Trace, TraceConfig
 from hicache_ray.base.config import (
     CacheConfig,
-    FileStorageOptions,
     MemoryConfig,
     PrefetchConfig,
-    RayStorageOptions,
-    StorageConfig,
+    PrefetchPolicy,
     WriteConfig,
+    WritePolicy,
 )
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
 
 __all__ = ["MODES", "ExperimentOptions"]
 
@@ -44,8 +44,8 @@ class ExperimentOptions:
     host_ratio: float = 1.5
     storage: str = "ray"  # ray | file
     storage_root: str = ""
-    write_policy: str = "write_through"
-    prefetch_policy: str = "wait_complete"
+    write_policy: WritePolicy = "write_through"
+    prefetch_policy: PrefetchPolicy = "wait_complete"
     # 0: every page past the L2 hit is looked up in L3 (the oracle of bench multiturn and
     # the demo then sees every L3 hit); bench serve uses the product default (256)
     prefetch_threshold: int = 0
@@ -118,9 +118,9 @@ class ExperimentOptions:
                 device_tokens=self.device_tokens,
                 hicache_ratio=self.host_ratio,
             ),
-            write=WriteConfig(policy=self.write_policy),  # type: ignore[arg-type]
+            write=WriteConfig(policy=self.write_policy),
             prefetch=PrefetchConfig(
-                policy=self.prefetch_policy,  # type: ignore[arg-type]
+                policy=self.prefetch_policy,
                 threshold_tokens=self.prefetch_threshold,
             ),
             storage=storage,

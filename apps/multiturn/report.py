@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from apps.report import Figure, figure, percentile
-from hicache_ray.engine.runtime import RequestResult
+from hicache_ray.engine.request import RequestResult
 
 __all__ = ["RoundSummary", "Series", "figures", "plot", "rows", "table"]
 

@@ -21,35 +21,20 @@ from hicache_ray.base.checks import (
     check_types,
 )
 from hicache_ray.base.errors import ConfigError
-from hicache_ray.base.storage_config import (
-    Fault,
-    FileStorageOptions,
-    KeyScheme,
-    MemoryStorageOptions,
-    RayStorageOptions,
-    StorageConfig,
-    is_plain_name,
-)
+from hicache_ray.base.storage_config import StorageConfig
 
 __all__ = [
     "DEFAULT_HIT_THRESHOLDS",
     "CacheConfig",
-    "Fault",
-    "FileStorageOptions",
     "IoBackend",
-    "KeyScheme",
     "MemLayout",
     "MemoryConfig",
-    "MemoryStorageOptions",
     "PrefetchConfig",
     "PrefetchPolicy",
-    "RayStorageOptions",
     "SchedulerConfig",
-    "StorageConfig",
     "WriteConfig",
     "WritePolicy",
     "compatible_io_backends",
-    "is_plain_name",
 ]
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]

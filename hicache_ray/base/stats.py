@@ -8,30 +8,37 @@ publishes (every field is documented in the README's metrics table).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 __all__ = [
     "UNFULFILLED_REASONS",
     "CacheStats",
+    "Unfulfilled",
     "ControllerStats",
     "Published",
-    "RankHealth",
-    "ShardStats",
     "counter",
     "gauge",
 ]
 
-# Why pages L3 holds were not prefetched (one metric each: docs/metrics.md).
-UNFULFILLED_REASONS = (
-    "host_capacity",  # the host pool had no room, even after evicting host-only pages
-    "prefetch_quota",  # running prefetches already hold max_host_fraction of the host pool
-    "peer_miss",  # this rank found the pages, another rank did not (the MIN agreed fewer)
-    "read_failed",  # a read or verification failed on some rank (a corrupt page is a miss)
-    "terminated",  # the request ran before the prefetch finished (best_effort / timeout)
-)
+
+class Unfulfilled(str, enum.Enum):
+    """Why pages L3 holds were not prefetched (one metric each: docs/metrics.md)."""
+
+    HOST_CAPACITY = "host_capacity"  # no room in L2, even after evicting host-only pages
+    PREFETCH_QUOTA = "prefetch_quota"  # running prefetches hold max_host_fraction of L2
+    PEER_MISS = "peer_miss"  # this rank found the pages, another did not (the MIN agreed fewer)
+    READ_FAILED = "read_failed"  # a read or verification failed on some rank
+    TERMINATED = "terminated"  # the request ran before the prefetch finished
+
+    def __str__(self) -> str:
+        return self.value
+
+
+UNFULFILLED_REASONS = tuple(r.value for r in Unfulfilled)
 
 
 @dataclass(frozen=True)
@@ -183,70 +190,6 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     pending_backups: Annotated[
         int, gauge("l3_pending_backups", "L3 backups queued or in flight (backups)")
     ] = 0
-
-
-class ShardStats(msgspec.Struct, kw_only=True):
-    """One L3 shard's counts (``PageShard.stats``), or a store's summed over its shards.
-
-    Attributes:
-        objects / keys / bytes: what it holds; capacity_bytes: its budget (0: none).
-        evicted_objects: dropped past the budget; lost_objects: gone with their owner.
-        adopting: written objects whose own copies are still being made.
-    """
-
-    objects: int = 0
-    keys: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    evicted_objects: int = 0
-    lost_objects: int = 0
-    adopting: int = 0
-
-    def __add__(self, other: ShardStats) -> ShardStats:
-        return ShardStats(
-            **{f: getattr(self, f) + getattr(other, f) for f in self.__struct_fields__}
-        )
-
-
-class RankStats(msgspec.Struct, kw_only=True):
-    """One rank's statistics as ``RankActor.stats`` returns them (plain data across the
-    actor boundary; ``msgspec.to_builtins`` gives JSON).
-
-    Attributes:
-        rank: the rank; error: why its step loop stopped, else None.
-        device: where its pools and model live; model_backend: ``gloo`` or ``nccl``.
-        controller: its cache controller's statistics (None before it is formed).
-        storage: its L3 client's counters (``StorageStats``; None without L3).
-    """
-
-    rank: int
-    error: str | None = None
-    device: str = "cpu"
-    model_backend: str = ""
-    controller: ControllerStats | None = None
-    storage: Any = None  # hicache_ray.storage.StorageStats (the storage package imports this)
-
-
-class RankHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one rank stands (what ``RankActor.health`` returns).
-
-    Attributes:
-        rank: the rank; generation: the deployment generation it belongs to.
-        stepping: its step thread runs.
-        steps: steps it has made.
-        error: why it stopped stepping (or why it is not there), else None.
-        in_step: the thread is inside a step (possibly waiting in a collective).
-        outside_step_s: seconds since its last step ended (None while in a step): a
-            stalled rank's grows past the consensus timeout.
-    """
-
-    rank: int
-    generation: int = 0
-    stepping: bool = False
-    steps: int = 0
-    error: str | None = None
-    in_step: bool = False
-    outside_step_s: float | None = None
 
 
 class ConnectorStats(msgspec.Struct, kw_only=True):

@@ -129,8 +129,9 @@ class RankRuntime:
         return r
 
     def enqueue(self, request: GenerateRequest) -> None:
-        """Queue a request checked at the caller's door (rank 0): one whose id is in flight,
-        or past ``max_queued``, is answered with an error result at the next step."""
+        """Queue a request its door checked (rank 0: the rank actor, or :meth:`submit`): one
+        whose id is in flight, or past ``max_queued``, is answered with an error result at
+        the next step."""
         if self.ctl.rank != 0:
             raise ValueError("requests are submitted on rank 0")
         refused = self.table.offer(self._record(request, time.perf_counter()))

@@ -10,9 +10,10 @@ from hicache_ray.base.checks import (
     check_positive,
     check_types,
 )
-from hicache_ray.base.config import CacheConfig, SchedulerConfig, is_plain_name
+from hicache_ray.base.config import CacheConfig, SchedulerConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import Shard, ShardKV, host_pool_pages
+from hicache_ray.base.storage_config import is_plain_name
 from hicache_ray.engine.model import ModelConfig, preset
 from hicache_ray.engine.model.checkpoint import resolve_model
 from hicache_ray.keys import describe_sharing, plan_objects

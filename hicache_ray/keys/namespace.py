@@ -20,9 +20,9 @@ from functools import reduce
 
 import msgspec
 
-from hicache_ray.base.config import StorageConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import ModelKV, stage_layers
+from hicache_ray.base.storage_config import StorageConfig
 
 __all__ = [
     "NAMESPACE_SCHEMA_VERSION",

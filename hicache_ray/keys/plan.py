@@ -27,9 +27,10 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from hicache_ray.base.config import CacheConfig, KeyScheme, StorageConfig
+from hicache_ray.base.config import CacheConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import ShardKV
+from hicache_ray.base.storage_config import KeyScheme, StorageConfig
 from hicache_ray.keys.namespace import Grid, KVCacheNamespace, make_namespace, sharing_grid
 
 __all__ = [

@@ -6,15 +6,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from hicache_ray.base.config import (
-    CacheConfig,
-    FileStorageOptions,
-    MemoryConfig,
-    RayStorageOptions,
-    SchedulerConfig,
-    StorageConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, SchedulerConfig
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
 
 if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
     from hicache_ray.engine.spec import DeploymentConfig

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from hicache_ray.base.config import Fault
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import ReadOut, flip_byte
 

@@ -31,7 +31,6 @@ import xxhash
 
 from hicache_ray.base.errors import HiCacheError
 from hicache_ray.base.layout import DTYPES
-from hicache_ray.base.views import byte_view as payload_view
 
 __all__ = [
     "FORMAT_VERSION",
@@ -50,7 +49,6 @@ __all__ = [
     "encode_header",
     "framed_size",
     "header_length",
-    "payload_view",
     "tensor_problem",
     "verify",
 ]

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from hicache_ray.base.views import byte_view
 from hicache_ray.keys import ShardPlan, check_keys
 from hicache_ray.storage.base import StorageBackend, StorageStats
 from hicache_ray.storage.index import PageIndex
@@ -48,7 +49,6 @@ from hicache_ray.storage.page_format import (
     checksum_of,
     encode_header,
     framed_size,
-    payload_view,
     tensor_problem,
     verify,
 )
@@ -142,7 +142,7 @@ class PagedBackend(PageWrites, StorageBackend):
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
         self._check_tensors("buffer", keys, buffers)
         outs: list[ReadOut] = [
-            payload_view(b) if b.is_contiguous() else StridedOut(b) for b in buffers
+            byte_view(b) if b.is_contiguous() else StridedOut(b) for b in buffers
         ]
         try:
             outcomes = self.objects.read_many(keys, outs)
@@ -196,7 +196,7 @@ class PagedBackend(PageWrites, StorageBackend):
                 if known[i]:
                     self._index.touch(keys[i])
                     self._counts["put_skipped"] += 1
-        payloads = [payload_view(pages[i]) for i in new]
+        payloads = [byte_view(pages[i]) for i in new]
         headers, sizes = self._headers(keys, pages, checksums, new, payloads)
         reserved = self._reserve(sizes)
         try:

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hicache_ray.base.backends import backend_names, load_factory, register_backend
-from hicache_ray.base.config import StorageConfig
+from hicache_ray.base.backends import load_factory
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage.base import StorageBackend, StorageStats
 from hicache_ray.storage.faults import FaultyObjects
@@ -24,13 +24,11 @@ from hicache_ray.storage.paged import PagedBackend
 __all__ = [
     "BackendFactory",
     "NullBackend",
-    "backend_names",
     "create_backend",
     "connect",
     "file_backend",
     "memory_backend",
     "null_backend",
-    "register_backend",
     "with_faults",
 ]
 

@@ -6,13 +6,8 @@ import itertools
 
 import torch
 
-from hicache_ray.base.config import (
-    CacheConfig,
-    MemoryConfig,
-    PrefetchConfig,
-    RayStorageOptions,
-    StorageConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.engine import reference
 from hicache_ray.engine.model import ModelConfig
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from hicache_ray.base.config import RayStorageOptions, StorageConfig
-from hicache_ray.engine.runtime import GenerateRequest
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
+from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
 from tests.helpers import wait_until
 from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_keys

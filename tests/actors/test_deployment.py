@@ -10,8 +10,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from actors.faults import RankFault
 from hicache_ray.base.errors import ConfigError
-from hicache_ray.engine.runtime import GenerateRequest
+from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
 from tests.helpers import ensure_local_ray
 
@@ -150,7 +151,7 @@ def test_a_killed_rank_is_replaced_and_requests_retried(
 
 def test_a_stalled_rank_times_out_and_the_deployment_recovers(ray_local: None, tp2: Any) -> None:
     before = tp2.generation
-    ray.get(_rank(tp2, 1).pause.remote(60))
+    ray.get(_rank(tp2, 1).inject.remote(RankFault.pause(60)))
     tokens = prompt(10, 13)
     result = tp2.generate([GenerateRequest("stalled", tokens, 3)])[0]
     assert tp2.generation == before + 1

@@ -4,6 +4,7 @@ and triple faults, shutdown with requests in flight, no spinning while requests 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -12,7 +13,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from hicache_ray.base.config import Fault, PrefetchConfig
+from actors.faults import RankFault
+from hicache_ray.base.config import PrefetchConfig
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
 from tests.engine.test_request import BAD
@@ -59,7 +62,7 @@ def test_every_bad_request_is_refused_alone(ray_local: None, edge: Any) -> None:
     assert edge.generation == generation and not edge.reforms
     again = edge.generate([GenerateRequest("again", a + want_a + b, 2)])[0]
     assert again.device_hit_tokens >= 12
-    # a request sent to rank 0 directly, past the driver's check, is refused there too
+    # a request sent to rank 0 directly, past the Deployment, is refused there too
     rank0 = _actor(edge, edge.generation, 0)
     for bad, field in BAD[:6]:
         result = ray.get(rank0.generate.remote(bad), timeout=30)
@@ -75,6 +78,16 @@ def test_a_call_that_is_not_a_batch_or_repeats_a_rid(ray_local: None, edge: Any)
     assert out[0].error is None and out[1].error.startswith("rid: ")
     out = edge.generate([None, GenerateRequest("fine", tokens, 2)])
     assert out[0].error.startswith("request: ") and out[1].output_tokens == recompute(tokens, 2)
+    # one that Ray cannot send (a lock in it) is refused alone, in a batch and in a stream
+    unsendable = GenerateRequest("lock", [threading.Lock()], 2)  # type: ignore[list-item]
+    out = edge.generate([unsendable, GenerateRequest("fine2", tokens, 2)])
+    assert out[0].error.startswith("request: cannot be sent") and out[1].error is None
+
+    async def streamed() -> list[Any]:
+        return [chunk async for chunk in edge.stream(unsendable)]
+
+    chunks = asyncio.run(streamed())
+    assert len(chunks) == 1 and chunks[0].result.error.startswith("request: cannot be sent")
 
     async def bad_async() -> Any:
         return await edge.generate_async(GenerateRequest("x", [0.5], 2))  # type: ignore[list-item]
@@ -85,7 +98,10 @@ def test_a_call_that_is_not_a_batch_or_repeats_a_rid(ray_local: None, edge: Any)
 def test_a_request_that_raises_fails_alone_without_re_forming(ray_local: None, edge: Any) -> None:
     generation = edge.generation
     for rank in range(2):
-        ray.get(_actor(edge, generation, rank).raise_for.remote("poison", "decode"), timeout=30)
+        ray.get(
+            _actor(edge, generation, rank).inject.remote(RankFault.raise_for("poison", "decode")),
+            timeout=30,
+        )
     tokens = prompt(4, 11)
     out = edge.generate(
         [GenerateRequest("poison", prompt(5, 9), 4), GenerateRequest("ok", tokens, 4)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hicache_ray.engine.runtime import GenerateRequest
+from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, PAGE, cache_config, prompt, recompute, store_name
 
 ray = pytest.importorskip("ray")

@@ -12,7 +12,7 @@ import pytest
 from actors.metrics import flatten_stats
 from hicache_ray.base.metrics import METRICS, markdown_table
 from hicache_ray.base.stats import CacheStats, ControllerStats
-from hicache_ray.engine.runtime import GenerateRequest
+from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, store_name
 from tests.helpers import wait_until
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_ray.base.config import RayStorageOptions, StorageConfig
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend, create_backend
 from tests.helpers import ensure_local_ray, plasma_usage, wait_until

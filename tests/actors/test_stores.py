@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hicache_ray.base.config import RayStorageOptions, StorageConfig
+from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.storage import create_backend
 from tests.helpers import plasma_usage, wait_until
 from tests.storage.conftest import make_pages, make_plan, page_keys

@@ -12,16 +12,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hicache_ray.base.config import (
-    CacheConfig,
-    Fault,
-    MemoryConfig,
-    MemoryStorageOptions,
-    PrefetchConfig,
-    StorageConfig,
-    WriteConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, WriteConfig
 from hicache_ray.base.layout import ShardKV
+from hicache_ray.base.storage_config import Fault, MemoryStorageOptions, StorageConfig
 from hicache_ray.cache.controller import Arrival, CacheController, Consensus
 from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.keys import page_hashes, plan_shard

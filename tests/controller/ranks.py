@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hicache_ray.base.config import Fault
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.cache.controller import (
     ConsensusError,
     GlooConsensus,

@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from hicache_ray.base.config import Fault
 from hicache_ray.base.errors import HiCacheError
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.cache.controller import Arrival
 from hicache_ray.keys import page_hashes, plan_shard
 from hicache_ray.storage import MemoryObjects

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache_ray.base.config import Fault
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.cache.controller import Arrival
 from hicache_ray.cache.handle import CacheFullError
 from hicache_ray.storage import MemoryObjects

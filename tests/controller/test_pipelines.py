@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_ray.base.config import Fault
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.cache.controller import Arrival
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv

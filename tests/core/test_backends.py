@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hicache_ray.base.backends import backend_names, is_backend_path, register_backend
-from hicache_ray.base.config import StorageConfig
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import NullBackend, StorageBackend, create_backend
 from tests.storage.conftest import make_plan

@@ -8,12 +8,12 @@ from hicache_ray.base.config import (
     CacheConfig,
     MemoryConfig,
     PrefetchConfig,
-    StorageConfig,
     WriteConfig,
     compatible_io_backends,
 )
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import ModelKV, Shard, ShardKV, host_pool_pages
+from hicache_ray.base.storage_config import StorageConfig
 from tests.conftest import make_config, make_kv
 
 BAD_MEMORY = [
@@ -166,7 +166,7 @@ def test_config_errors_survive_pickling() -> None:
     ],
 )
 def test_bad_ray_storage_options(kwargs: dict[str, object], needle: str) -> None:
-    from hicache_ray.base.config import RayStorageOptions
+    from hicache_ray.base.storage_config import RayStorageOptions
 
     with pytest.raises(ConfigError, match=needle):
         RayStorageOptions(**kwargs)  # type: ignore[arg-type]

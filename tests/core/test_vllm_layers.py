@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hicache_ray.base.config import Fault
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.integrations.vllm.blocks import LayerByLayer
 from hicache_ray.integrations.vllm.pages import PageJob
 from hicache_ray.keys import page_hashes

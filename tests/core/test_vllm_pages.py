@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_ray.base.config import Fault
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.integrations.vllm.pages import PageJob, PagePlanner
 from hicache_ray.integrations.vllm.setup import (
     layer_index,

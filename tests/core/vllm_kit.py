@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from hicache_ray.base.config import StorageConfig
 from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.integrations.vllm.blocks import BlockMover
 from hicache_ray.integrations.vllm.setup import slot_views
 from hicache_ray.keys import ShardPlan, plan_objects

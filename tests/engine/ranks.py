@@ -10,7 +10,7 @@ from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
 from hicache_ray.cache.controller import start_rendezvous
 from hicache_ray.engine.compose import RankPlace, compose_rank
 from hicache_ray.engine.model import preset
-from hicache_ray.engine.runtime import GenerateRequest
+from hicache_ray.engine.request import GenerateRequest
 from hicache_ray.engine.spec import DeploymentConfig
 
 PAGE = 4

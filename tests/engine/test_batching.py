@@ -12,9 +12,9 @@ from hicache_ray.base.config import (
     MemoryConfig,
     PrefetchConfig,
     SchedulerConfig,
-    StorageConfig,
     WriteConfig,
 )
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.engine.compose import compose_rank
 from hicache_ray.engine.model import preset
 from hicache_ray.engine.request import GenerateRequest, RequestResult, SamplingParams

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.engine.compose import RankPlace, compose_rank
 from hicache_ray.engine.model import preset
-from hicache_ray.engine.runtime import GenerateRequest, RankRuntime
+from hicache_ray.engine.request import GenerateRequest
+from hicache_ray.engine.runtime import RankRuntime
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
 from tests.engine.test_runtime import run

@@ -6,17 +6,12 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.base.config import (
-    CacheConfig,
-    Fault,
-    MemoryConfig,
-    PrefetchConfig,
-    StorageConfig,
-    WriteConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, WriteConfig
+from hicache_ray.base.storage_config import Fault, StorageConfig
 from hicache_ray.engine.compose import compose_rank
 from hicache_ray.engine.model import preset
-from hicache_ray.engine.runtime import GenerateRequest, RankRuntime, RequestResult
+from hicache_ray.engine.request import GenerateRequest, RequestResult
+from hicache_ray.engine.runtime import RankRuntime
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import FaultyObjects, MemoryObjects
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from hicache_ray.base.config import Fault
+from hicache_ray.base.storage_config import Fault
 from hicache_ray.engine.request import GenerateRequest, TTFTSplit
 from hicache_ray.storage import MemoryObjects
 from tests.engine.test_runtime import drain, prompt, run, runtime

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from hicache_ray.base.config import FileStorageOptions, StorageConfig
 from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import FileStorageOptions, StorageConfig
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.keys import ShardPlan, plan_objects
 from hicache_ray.storage import PagedBackend, create_backend

@@ -18,18 +18,13 @@ import pytest
 import torch
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from hicache_ray.base.config import (
-    CacheConfig,
-    FileStorageOptions,
-    MemoryConfig,
-    PrefetchConfig,
-    RayStorageOptions,
-    StorageConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
 from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
 from hicache_ray.cache.controller import CacheController
 from hicache_ray.engine.model import ReferenceModel
-from hicache_ray.engine.runtime import GenerateRequest, RankRuntime
+from hicache_ray.engine.request import GenerateRequest
+from hicache_ray.engine.runtime import RankRuntime
 from hicache_ray.keys import plan_shard
 from hicache_ray.storage import create_backend
 from tests.actors.helpers import MODEL, PAGE, cache_config, prompt, recompute, store_name

@@ -3,9 +3,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from hicache_ray.base.config import CacheConfig, MemoryConfig, StorageConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.keys import (
     KVCacheNamespace,
     ShardPlan,

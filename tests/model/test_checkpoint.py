@@ -14,9 +14,10 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, StorageConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import Shard, ShardKV
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.cache.controller import CacheController
 from hicache_ray.cache.memory import DevicePool
 from hicache_ray.engine.model import ReferenceModel

@@ -13,14 +13,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from hicache_ray.base.config import (
-    CacheConfig,
-    Fault,
-    MemoryConfig,
-    RayStorageOptions,
-    StorageConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig
 from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import Fault, RayStorageOptions, StorageConfig
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
 from hicache_ray.storage import (
     FaultyObjects,

@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
-from hicache_ray.base.config import Fault
+from hicache_ray.base.storage_config import Fault
+from hicache_ray.base.views import byte_view
 from hicache_ray.storage import FaultyObjects
-from hicache_ray.storage.page_format import encode_header, payload_view
+from hicache_ray.storage.page_format import encode_header
 from tests.storage.conftest import (
     BACKENDS,
     empty_buffers,
@@ -173,7 +174,7 @@ def test_foreign_namespace_pages_are_misses_and_deleted(backend_factory, object_
     # a page stored under our key by a writer of another namespace (a mis-configured peer,
     # or a store shared with a different build): its header names their digest
     pages = make_pages(ours, 2)
-    payloads = [payload_view(p) for p in pages]
+    payloads = [byte_view(p) for p in pages]
     headers = [
         encode_header(k, theirs.digest, p, v) for k, p, v in zip(keys, pages, payloads, strict=True)
     ]
@@ -322,8 +323,8 @@ def _damage(objects, plan, keys: list[str], pages: list[torch.Tensor], at: int, 
     if kind == "missing":
         return
     src = (at + 1) % len(keys) if kind == "swapped" else at
-    payload = bytearray(payload_view(pages[src]))
-    header = encode_header(keys[src], plan.digest, pages[src], payload_view(pages[src]))
+    payload = bytearray(byte_view(pages[src]))
+    header = encode_header(keys[src], plan.digest, pages[src], byte_view(pages[src]))
     if kind == "flipped":
         payload[-1] ^= 0x01
     elif kind == "truncated":

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import torch
 
-from hicache_ray.base.config import Fault, FileStorageOptions, StorageConfig
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.storage_config import Fault, FileStorageOptions, StorageConfig
 from hicache_ray.storage import (
     FaultyObjects,
     InjectedFault,

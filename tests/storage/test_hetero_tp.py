@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hicache_ray.base.config import CacheConfig, MemoryConfig, StorageConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig
 from hicache_ray.base.layout import ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.keys import ShardPlan, page_hashes, plan_shard
 from hicache_ray.storage import MemoryObjects, PagedBackend

@@ -14,13 +14,8 @@ from pathlib import Path
 import pytest
 
 from actors import Deployment, DeploymentConfig, drop_store
-from hicache_ray.base.config import (
-    CacheConfig,
-    FileStorageOptions,
-    MemoryConfig,
-    PrefetchConfig,
-    StorageConfig,
-)
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
+from hicache_ray.base.storage_config import FileStorageOptions, StorageConfig
 from hicache_ray.engine.model.checkpoint import load_config
 from hicache_ray.engine.reference import recompute
 from hicache_ray.engine.request import GenerateRequest

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hicache_ray.base.stats import ControllerStats
 from hicache_ray.cache.controller.backup import BackupPipeline, BackupTask
+from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.hicache import HiCache
 from hicache_ray.cache.tree import BackupMark, TreeNode, node_page_hashes
 
@@ -130,7 +131,7 @@ class Acknowledger:
                     child.backup = None
                     self._submit_backup(child)
             return
-        if task.failure == "parent_not_stored":
+        if task.failure is Failure.PARENT_NOT_STORED:
             self._stats.backup_skipped_gap += 1
         else:
             self._stats.backup_failures += 1

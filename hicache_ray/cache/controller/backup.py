@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 
 from hicache_ray.base.workers import InboxWorker
+from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.controller.reads import STAGED_BATCH_PAGES
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.cache.tree import TreeNode
@@ -48,7 +49,7 @@ class BackupTask:
         self.parent = parent  # None: the parent is the root or already stored
         self.stored_pages = 0
         self.num_bytes = 0
-        self.failure: str | None = None
+        self.failure: Failure | None = None
         self.finished = threading.Event()  # set once the worker is done with the task
 
     @property
@@ -81,13 +82,13 @@ class BackupWorker(InboxWorker[BackupTask]):
 
     def handle(self, task: BackupTask) -> None:
         if task.parent is not None and not task.parent.ok:
-            task.failure = "parent_not_stored"
+            task.failure = Failure.PARENT_NOT_STORED
         else:
             self._store(task)
 
     def failed(self, task: BackupTask, exc: Exception) -> None:
         log.warning("backup failed: %s", exc)
-        task.failure = "write_failed"
+        task.failure = Failure.WRITE_FAILED
 
     def finished(self, task: BackupTask) -> None:
         task.finished.set()
@@ -133,7 +134,7 @@ class BackupWorker(InboxWorker[BackupTask]):
         task.num_bytes += sum(p.nbytes for p in pages[:stored])
         if stored < len(batch_keys):
             task.stored_pages = todo[stored // len(writers)]
-            task.failure = "write_failed"
+            task.failure = Failure.WRITE_FAILED
             return False
         return True
 

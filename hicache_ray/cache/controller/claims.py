@@ -20,12 +20,13 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from hicache_ray.base.config import CacheConfig
+from hicache_ray.base.config import CacheConfig, PrefetchPolicy
 from hicache_ray.base.errors import HiCacheError
-from hicache_ray.base.stats import ControllerStats
+from hicache_ray.base.stats import ControllerStats, Unfulfilled
 from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
 from hicache_ray.cache.controller.backup import BackupTask
-from hicache_ray.cache.controller.prefetch import FetchTask
+from hicache_ray.cache.controller.failure import Failure
+from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.cache.controller.protocol import ArrivalLike
 from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.cache.hicache import HiCache
@@ -110,7 +111,7 @@ class PrefixClaim:
         """Pages every rank holds in L1/L2 as of the last step (-1: not agreed yet)."""
         return -1 if self.agreed is None else self.agreed.ready
 
-    def runnable(self, policy: str) -> bool:
+    def runnable(self, policy: PrefetchPolicy) -> bool:
         """Whether the prefetch ``policy`` lets the request run now (from agreed facts only)."""
         facts = self.agreed
         if facts is None:
@@ -227,19 +228,19 @@ class Claims:
         c.fetch_started = True
         unfulfilled = self._stats.unfulfilled_tokens
         if task.local_total > total:
-            unfulfilled["peer_miss"] += (task.local_total - total) * self._page_size
+            unfulfilled[Unfulfilled.PEER_MISS] += (task.local_total - total) * self._page_size
         need = total - c.cached
         if need <= 0:
             return
         allowed = need
         if self._config.prefetch.max_host_fraction < 1:
             allowed = min(need, max(0, self._quota - self.prefetch_host_pages))
-        unfulfilled["prefetch_quota"] += (need - allowed) * self._page_size
+        unfulfilled[Unfulfilled.PREFETCH_QUOTA] += (need - allowed) * self._page_size
         pages = self._cache.alloc_host(allowed)
         if pages is None:
             alloc = self._cache.host_pool.allocator
             pages = alloc.allocate(min(allowed, alloc.num_free_pages)) or []
-        unfulfilled["host_capacity"] += (allowed - len(pages)) * self._page_size
+        unfulfilled[Unfulfilled.HOST_CAPACITY] += (allowed - len(pages)) * self._page_size
         task.host_pages = pages
         task.read_start = c.cached
         task.read_end = c.cached + len(pages)
@@ -334,14 +335,14 @@ class Claims:
         stats.prefetched_pages += read
         stats.prefetched_bytes += read * self._cache.kv.page_bytes
         stats.prefetch_latency_s += self._clock() - c.admitted_at
-        if task.failure == "query_failed":
+        if task.failure is Failure.QUERY_FAILED:
             stats.prefetch_query_failures += 1
         if c.agreed is None or c.agreed.total <= ready:
             return
         missing = (c.agreed.total - ready) * ps
         if c.agreed.finished != 1:
-            stats.unfulfilled_tokens["terminated"] += missing
+            stats.unfulfilled_tokens[Unfulfilled.TERMINATED] += missing
         elif task.failure is not None:
-            stats.unfulfilled_tokens["read_failed"] += missing
+            stats.unfulfilled_tokens[Unfulfilled.READ_FAILED] += missing
         elif task.read_end >= c.agreed.total:
-            stats.unfulfilled_tokens["peer_miss"] += missing
+            stats.unfulfilled_tokens[Unfulfilled.PEER_MISS] += missing

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+from hicache_ray.cache.controller.failure import Failure
+
 __all__ = ["FetchTask", "no_progress"]
 
 
@@ -30,7 +32,7 @@ class FetchTask:
         self.pages_read = start_page
         self.read_started = False
         self.cancelled = False
-        self.failure: str | None = None
+        self.failure: Failure | None = None
         self.queried = threading.Event()
         self.read_finished = threading.Event()
         # perf_counter times of the query's end, the reads' start and end (0: not yet):

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from hicache_ray.base.workers import InboxWorker
+from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
 from hicache_ray.cache.controller.reads import ReadWorker
 from hicache_ray.cache.memory import HostPool
@@ -46,7 +47,7 @@ class QueryWorker(InboxWorker[FetchTask]):
 
     def failed(self, task: FetchTask, exc: Exception) -> None:
         log.warning("prefetch query failed: %s", exc)  # a miss, never a failed request
-        task.failure = "query_failed"
+        task.failure = Failure.QUERY_FAILED
         task.local_total = task.start_page
 
     def finished(self, task: FetchTask) -> None:

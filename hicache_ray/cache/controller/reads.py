@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from hicache_ray.base.workers import InboxWorker
+from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.keys import ShardPlan
@@ -81,7 +82,7 @@ class ReadWorker(InboxWorker[FetchTask]):
 
     def failed(self, task: FetchTask, exc: Exception) -> None:
         log.warning("prefetch read failed: %s", exc)
-        task.failure = "read_failed"
+        task.failure = Failure.READ_FAILED
 
     def finished(self, task: FetchTask) -> None:
         task.mark_read()
@@ -106,7 +107,7 @@ class ReadWorker(InboxWorker[FetchTask]):
             done = self._read_pages(pages)
             task.pages_read = start + done
             if start + done < end:
-                task.failure = "read_failed"
+                task.failure = Failure.READ_FAILED
                 return
 
     def _page(self, page_hash: str, slot: int, spare: Iterator[torch.Tensor]) -> _Page:

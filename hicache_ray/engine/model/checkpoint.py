@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
 from hicache_ray.base.errors import ConfigError
@@ -223,9 +222,6 @@ class _Reader:
         self._open = safe_open
         self._handles: dict[Path, Any] = {}
 
-    def has(self, name: str) -> bool:
-        return name in self._files
-
     def read(
         self,
         name: str,
@@ -327,8 +323,3 @@ def load_shard(
         return ModelWeights(embed, layers, norm, lm_head)
     finally:
         reader.close()
-
-
-def to_json(config: ModelConfig) -> str:
-    """The config as JSON (logs and reports)."""
-    return msgspec.json.encode(config).decode()

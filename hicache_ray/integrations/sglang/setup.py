@@ -15,9 +15,9 @@ import msgspec
 import torch
 
 from hicache_ray.base.checks import check_types
-from hicache_ray.base.config import FileStorageOptions, RayStorageOptions, StorageConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import DTYPES, ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
 from hicache_ray.integrations.sglang.host_layouts import HostGeometry, buffer_shape
 
 __all__ = [
@@ -57,7 +57,7 @@ class SGLangStoreOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         store: ``ray`` (pages in the Ray object store, shared cluster-wide) or ``file``
             (a directory or any ``pyarrow.fs`` URI).
         ray: options of the ray store (``name``, ``num_shards``, ``capacity_bytes``,
-            ``timeout_s``, ...; see :class:`~hicache_ray.base.config.RayStorageOptions`).
+            ``timeout_s``, ...; see :class:`~hicache_ray.base.storage_config.RayStorageOptions`).
         ray_address: the Ray cluster to join when this process is not connected to one yet;
             empty means ``auto`` (the cluster of this node, started with ``ray start``).
         file: options of the file store (``root`` is required with ``store="file"``).

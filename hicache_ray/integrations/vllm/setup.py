@@ -24,9 +24,9 @@ import msgspec
 import torch
 
 from hicache_ray.base.checks import check_types
-from hicache_ray.base.config import FileStorageOptions, RayStorageOptions, StorageConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.layout import DTYPES, ModelKV, Shard, ShardKV
+from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
 from hicache_ray.engine.model.checkpoint import checkpoint_revision
 from hicache_ray.keys import ShardPlan, plan_objects
 
@@ -119,7 +119,7 @@ class VLLMStoreOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         store: ``ray`` (pages in the Ray object store, shared cluster-wide) or ``file``
             (a directory or any ``pyarrow.fs`` URI).
         ray: options of the ray store (``name``, ``num_shards``, ``timeout_s``, ...; see
-            :class:`~hicache_ray.base.config.RayStorageOptions`).
+            :class:`~hicache_ray.base.storage_config.RayStorageOptions`).
         ray_address: the Ray cluster to join when this process is not connected to one yet;
             empty means ``auto``.
         file: options of the file store (``root`` is required with ``store="file"``).
