@@ -27,6 +27,7 @@ import xxhash
 from actors.deployment import Deployment
 from actors.ray_store import RayObjects
 from actors.stores import drop_store
+from apps.bench.runtime_guard import guard_figures
 from apps.bench.workload import random_tokens
 from apps.experiments import shared_storage
 from apps.report import Figure, figure, split_figures
@@ -140,6 +141,7 @@ def l3_hit_figures(
             _store_prefix(model, cache, prefix)
             for tp in tp_sizes:
                 found += _tp_figures(model, cache, tp, prefix, repeats, log)
+            found += guard_figures(model, cache, min(length, 1024), _store_prefix, log)
         finally:
             drop_store(store)
     return found

@@ -165,6 +165,10 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         timeout_cap_s: the longest deadline, in seconds.
         max_host_fraction: most of the host pool that running prefetches may hold, so
             reads never starve writes.
+        recompute_guard: with the ``timeout`` policy, never wait longer for L3 than
+            computing the same tokens takes, as this rank measures both: a read expected
+            to be slower is skipped (the tokens are computed) and a read is cut when
+            computing would have finished, if that is sooner than the deadline above.
     """
 
     policy: PrefetchPolicy = "timeout"
@@ -173,6 +177,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     timeout_per_1k_tokens_s: float = 0.1
     timeout_cap_s: float = 30.0
     max_host_fraction: float = 0.5
+    recompute_guard: bool = True
 
     def __post_init__(self) -> None:
         check_choice("prefetch_policy", self.policy, PrefetchPolicy)

@@ -33,6 +33,7 @@ class Unfulfilled(str, enum.Enum):
     PEER_MISS = "peer_miss"  # this rank found the pages, another did not (the MIN agreed fewer)
     READ_FAILED = "read_failed"  # a read or verification failed on some rank
     TERMINATED = "terminated"  # the request ran before the prefetch finished
+    SLOWER_THAN_COMPUTE = "slower_than_compute"  # reading was expected to take longer
 
     def __str__(self) -> str:
         return self.value

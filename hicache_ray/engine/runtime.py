@@ -297,6 +297,7 @@ class RankRuntime:
                 keep=keep,
             )
         forward = time.perf_counter() - began - stalled[0]
+        self.ctl.claims.cost.note_forward(len(ids), forward)  # L3 reads are weighed by it
         for seq in first:
             assert seq.handle is not None
             self.ctl.wait_ready(seq.handle)  # surfaces (and counts) a failed load
@@ -334,8 +335,6 @@ class RankRuntime:
     def first_logits(self) -> dict[str, torch.Tensor]:
         """The logits of each request's first token (tests)."""
         return {rid: rows[0] for rid, rows in self.logits.items() if rows}
-
-    # ------------------------------------------------------------- finishing
 
     def _finish(self, seq: RankRequest) -> None:
         assert seq.handle is not None

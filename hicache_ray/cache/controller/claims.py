@@ -17,6 +17,7 @@ slots; the agreed ``ready`` is what ``take`` hands to the request, the same on e
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -25,6 +26,7 @@ from hicache_ray.base.errors import HiCacheError
 from hicache_ray.base.stats import ControllerStats, Unfulfilled
 from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
 from hicache_ray.cache.controller.backup import BackupTask
+from hicache_ray.cache.controller.cost import CostModel
 from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.cache.controller.protocol import ArrivalLike
@@ -149,6 +151,9 @@ class Claims:
         self.prefetch_host_pages = 0  # host slots held by prefetch tasks
         self._page_size = config.page_size
         self._quota = int(config.prefetch.max_host_fraction * cache.host_pool.num_pages)
+        self.cost = CostModel()  # this rank's compute and L3 read rates
+        prefetch_cfg = config.prefetch
+        self._guarded = prefetch_cfg.recompute_guard and prefetch_cfg.policy == "timeout"
 
     @property
     def num_fetching(self) -> int:
@@ -218,7 +223,10 @@ class Claims:
             self._tasks.add(c.task)
             self._prefetch.submit_query(c.task)
             if prefetch.policy == "timeout":
-                c.deadline = c.admitted_at + prefetch.timeout_s((whole - cached) * ps)
+                wait_s = prefetch.timeout_s((whole - cached) * ps)
+                if self._guarded:
+                    wait_s = self.cost.wait_s((whole - cached) * ps, wait_s)
+                c.deadline = c.admitted_at + wait_s
         self._stats.requests += 1
         return c
 
@@ -236,7 +244,10 @@ class Claims:
         if self._config.prefetch.max_host_fraction < 1:
             allowed = min(need, max(0, self._quota - self.prefetch_host_pages))
         unfulfilled[Unfulfilled.PREFETCH_QUOTA] += (need - allowed) * self._page_size
-        pages = self._cache.alloc_host(allowed)
+        if self._guarded and not self.cost.worth_reading(allowed, need * self._page_size):
+            unfulfilled[Unfulfilled.SLOWER_THAN_COMPUTE] += allowed * self._page_size
+            allowed = 0
+        pages = self._cache.alloc_host(allowed) if allowed else []
         if pages is None:
             alloc = self._cache.host_pool.allocator
             pages = alloc.allocate(min(allowed, alloc.num_free_pages)) or []
@@ -332,6 +343,9 @@ class Claims:
         task, stats, ps = c.task, self._stats, self._page_size
         assert task is not None
         read = task.pages_read - task.read_start
+        if task.read_started and task.failure is None:  # a cut read counts as slow as it was
+            ended = task.read_done_at or time.perf_counter()  # the task's own clock
+            self.cost.note_read(max(1, read), ended - task.read_started_at)
         stats.prefetched_pages += read
         stats.prefetched_bytes += read * self._cache.kv.page_bytes
         stats.prefetch_latency_s += self._clock() - c.admitted_at

@@ -78,6 +78,8 @@ def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None
         "ray",
         "--backend",
         "sglang",
+        "--backend",
+        "vllm",
     ]
     assert main(["bench", "storage", "--quick", *backends, "--root", root, "--json", str(out)]) == 0
     report = msgspec.json.decode(out.read_bytes(), type=Report)
@@ -93,6 +95,13 @@ def test_bench_storage_quick_writes_every_figure(tmp_path: Path, ray_local: None
         assert f.value > 0 and f.ceiling and f.ratio is not None
         assert f.target == (0.7 if op.endswith("_v1") else None)
     assert report.config["sglang"]["layout"] == "page_first"
+    for op in ("load", "save"):  # a save timed until the store holds it, and as before
+        f = by_name[f"storage.vllm.{op}.gbps"]
+        assert f.value > 0 and f.ceiling and f.ratio is not None
+    assert (
+        by_name["storage.vllm.save_foreground.gbps"].value
+        >= by_name["storage.vllm.save.gbps"].value
+    )
     assert not list((tmp_path / "l3").rglob("*-*_*"))  # the bench removed its pages
 
 
@@ -159,6 +168,7 @@ def test_bench_serve_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
         assert by_name[f"serve.{mode}.ttft_p50_ms"].value > 0
         assert by_name[f"serve.{mode}.failed_requests"].value == 0
     assert by_name["serve.cache_speedup"].target == 3.0
+    assert by_name["serve.cache_speedup.cold"].value > 0  # no untimed warm-up
     assert by_name["serve.batching_speedup"].value > 0
     assert by_name["serve.overload.failed_requests"].value == 0
     for mode in ("none", "l1_l2_l3"):  # the same clients through the OpenAI endpoint
@@ -196,3 +206,8 @@ def test_an_l3_hit_on_a_fresh_deployment_beside_bare_reads(ray_local: None) -> N
     assert by_name["runtime.l3_hit.ttft_vs_l1.tp2"].target == 60.0
     assert by_name["runtime.l3_hit.ttft_ms.tp2"].value > 0
     assert by_name["runtime.l3_hit.tp2.ttft_split.prefetch_s_p50_ms"].value > 0
+    # a store slower than compute (an injected delay), with the recompute guard and without
+    guarded = by_name["runtime.slow_store.hit_vs_recompute"]
+    assert guarded.target == 1.1 and guarded.ceiling is not None and guarded.ceiling > 0
+    assert by_name["runtime.slow_store.hit_vs_recompute.unguarded"].value > 0
+    assert by_name["runtime.slow_store.first_hit_vs_recompute"].value > 0

@@ -1,0 +1,112 @@
+"""The recompute guard: an L3 read never keeps a request waiting longer than computing
+its tokens would, as the rank measures both (``prefetch.recompute_guard``)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from hicache_ray.base.storage_config import Fault
+from hicache_ray.cache.controller import Arrival, CacheController
+from hicache_ray.cache.controller.cost import CostModel
+from hicache_ray.storage import MemoryObjects
+from tests.conftest import make_kv
+from tests.controller.helpers import (
+    PAGE,
+    check_pages,
+    controller_config,
+    drain,
+    make_controller,
+    prompt,
+    stored,
+)
+
+KV = make_kv(page_size=PAGE)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_cost_model_weighs_reads_against_compute() -> None:
+    cost = CostModel()
+    assert cost.worth_reading(10, 40) and cost.wait_s(40, 2.0) == 2.0  # nothing measured
+    cost.note_forward(8, 1.0)  # a decode step says nothing about prefill
+    assert cost.s_per_token == 0.0
+    cost.note_forward(100, 0.1)
+    assert cost.s_per_token == pytest.approx(0.001)
+    assert cost.wait_s(1000, 2.0) == pytest.approx(1.0)  # computing 1,000 tokens: 1 s
+    assert cost.wait_s(100_000, 2.0) == 2.0  # never past the configured deadline
+    assert cost.wait_s(1, 2.0) == pytest.approx(0.01)  # never cut sooner than 10 ms
+    assert cost.worth_reading(10, 40)  # reads unmeasured yet
+    cost.note_read(10, 0.1)  # 10 ms a page
+    assert not cost.worth_reading(10, 40)  # 100 ms of reads against 40 ms of compute
+    assert cost.worth_reading(1, 40)
+    cost.note_read(10, 0.0001)  # the moving average follows, weighted
+    assert cost.s_per_page == pytest.approx(0.75 * 0.01 + 0.25 * 0.00001)
+
+
+def _reader(objects: MemoryObjects, guard: bool, clock: FakeClock) -> CacheController:
+    config = controller_config(prefetch_policy="timeout")
+    prefetch = msgspec.structs.replace(config.prefetch, recompute_guard=guard)
+    return make_controller(
+        msgspec.structs.replace(config, prefetch=prefetch), KV, objects, clock=clock
+    )
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_read_slower_than_compute_is_skipped(guard: bool) -> None:
+    objects = MemoryObjects()
+    tokens = prompt(3, 40)
+    stored(objects, tokens)
+    reader = _reader(objects, guard, FakeClock())
+    reader.claims.cost.note_forward(1000, 0.001)  # 1 us a token
+    reader.claims.cost.note_read(1, 1.0)  # 1 s a page
+    reader.step([Arrival("r", tokens)])
+    task = reader.known["r"].task
+    assert task is not None and task.queried.wait(30)
+    while "r" not in reader.step().runnable:
+        pass
+    handle = reader.take("r")
+    reader.wait_ready(handle, timeout=30)
+    read = handle.num_cached_tokens // PAGE
+    assert read == (0 if guard else 10)
+    check_pages(reader, handle, tokens, read)
+    skipped = reader.stats().unfulfilled_tokens["slower_than_compute"]
+    assert skipped == (40 if guard else 0)
+    reader.release(handle)
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
+
+
+def test_a_read_is_cut_when_computing_would_have_finished() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(4, 40)
+    stored(objects, tokens)
+    clock = FakeClock()
+    slow = Fault(op="read", kind="delay", delay_s=0.05)
+    config = controller_config(prefetch_policy="timeout")
+    reader = make_controller(config, KV, objects, faults=(slow,), clock=clock)
+    reader.claims.cost.note_forward(100, 0.1)  # 1 ms a token: 40 ms for this prompt
+    reader.step([Arrival("r", tokens)])
+    task = reader.known["r"].task
+    assert task is not None and task.queried.wait(30)
+    result = reader.step()  # the reads start
+    assert task.read_started and "r" not in result.runnable
+    clock.now = 0.045  # past the 40 ms of compute, long before the 1 s deadline
+    assert reader.step().runnable == ["r"]
+    handle = reader.take("r")
+    reader.wait_ready(handle, timeout=30)
+    cached = handle.num_cached_tokens // PAGE
+    assert cached < 10
+    check_pages(reader, handle, tokens, cached)
+    assert reader.claims.cost.s_per_page > 0  # the cut read was measured as it was
+    reader.release(handle)
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
