@@ -27,6 +27,7 @@ __all__ = [
     "non_negative_float",
     "non_negative_int",
     "positive_float",
+    "yes_no",
     "positive_int",
 ]
 
@@ -57,6 +58,18 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative (use 0 or more)")
     return value
+
+
+def yes_no(text: str) -> bool:
+    """A switch's value: 1/true/yes or 0/false/no (any case); anything else is refused."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a switch value (use 1/true/yes or 0/false/no)"
+    )
 
 
 def positive_float(text: str) -> float:

@@ -11,6 +11,7 @@ from apps.cli_args import (
     flag,
     non_negative_int,
     positive_int,
+    yes_no,
 )
 from hicache_ray.serving.serve_options import ROUTERS
 
@@ -58,8 +59,8 @@ class TraceOptions:
         default=True,
         metadata=flag(
             "overload",
-            "also the open-loop run at 1.5x the none run's capacity (0/1)",
-            type=lambda t: t not in ("0", "false", "no"),
+            "also the open-loop run at 1.5x the none run's capacity (1/0, yes/no)",
+            type=yes_no,
         ),
     )
     replicas: int = field(

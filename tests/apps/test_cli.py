@@ -35,6 +35,7 @@ from apps.cli_experiments import experiment_options
         (["bench", "faults", "--scenarios", "bogus"], "unknown ['bogus']"),
         (["bench", "serve", "--modes", "l1"], "unknown ['l1']"),
         (["bench", "serve", "--http", "--rate", "2"], "closed loop"),
+        (["bench", "trace", "--overload", "maybe"], "'maybe' is not a switch value"),
         (["bench", "storage", "--device", "cpu"], "unrecognized arguments: --device"),
         (["bench", "runtime", "--device", "cpu"], "unrecognized arguments: --device"),
         (["bench", "micro", "--device", "gpu"], "not auto, cpu, cuda or cuda:N"),
