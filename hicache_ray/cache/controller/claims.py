@@ -244,7 +244,7 @@ class Claims:
         if self._config.prefetch.max_host_fraction < 1:
             allowed = min(need, max(0, self._quota - self.prefetch_host_pages))
         unfulfilled[Unfulfilled.PREFETCH_QUOTA] += (need - allowed) * self._page_size
-        if self._guarded and not self.cost.worth_reading(allowed, need * self._page_size):
+        if self._guarded and not self.cost.worth_reading(allowed, allowed * self._page_size):
             unfulfilled[Unfulfilled.SLOWER_THAN_COMPUTE] += allowed * self._page_size
             allowed = 0
         pages = self._cache.alloc_host(allowed) if allowed else []
