@@ -10,6 +10,7 @@ from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (
     PAGE,
+    FakeClock,
     check_pages,
     controller_config,
     drain,
@@ -106,14 +107,6 @@ def test_storage_faults_shorten_the_prefix_never_the_kv(fault: Fault, expected: 
     drain(reader)
     reader.check_integrity()
     reader.close()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_timeout_policy_terminates_slow_reads_and_keeps_what_finished() -> None:

@@ -13,6 +13,7 @@ from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (
     PAGE,
+    FakeClock,
     check_pages,
     controller_config,
     drain,
@@ -22,14 +23,6 @@ from tests.controller.helpers import (
 )
 
 KV = make_kv(page_size=PAGE)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_cost_model_weighs_reads_against_compute() -> None:
