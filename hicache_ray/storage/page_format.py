@@ -97,7 +97,7 @@ class StridedOut:
             raise ValueError(f"a read lands in host memory, not on {tensor.device}")
         self.tensor = tensor
         self.array: np.ndarray = tensor.view(_INTS[tensor.element_size()]).numpy()
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.nbytes: int = self.array.nbytes
 
     def fill(self, src: memoryview | bytes) -> str:
         """Copy ``src`` in (numpy copies without the GIL); the checksum of ``src``."""

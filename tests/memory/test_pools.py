@@ -81,3 +81,24 @@ def test_object_writes_check_shape_and_bounds() -> None:
         pool.read_object(3, (0, 5))
     with pytest.raises(ValueError, match="page 4"):
         pool.read_object(4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_object_views_are_the_pools_own_bytes_of_that_object(layout: str) -> None:
+    kv = make_kv(num_layers=4, num_kv_heads=4)
+    pool = HostPool(kv, 5, layout, layer_granule=2)  # type: ignore[arg-type]
+    for buf in pool.buffers:
+        buf.copy_(torch.randn(buf.shape))
+    for layers, heads in [(None, None), ((0, 2), (1, 3)), ((2, 4), (3, 4)), ((1, 3), None)]:
+        for page in (0, 4):
+            view = pool.object_view(page, layers, heads)
+            if layout == "page_first_direct" and layers in (None, (1, 3)):  # spans groups
+                assert view is None
+                continue
+            assert view is not None and torch.equal(view, pool.read_object(page, layers, heads))
+            view.fill_(7.0)  # a read lands in the pool: read_object sees it
+            assert bool((pool.read_object(page, layers, heads) == 7.0).all())
+    with pytest.raises(ValueError, match="page 5"):
+        pool.object_view(5, (0, 2))
+    with pytest.raises(ValueError, match="outside"):
+        pool.object_view(0, (0, 5))
