@@ -65,15 +65,14 @@ _PUBLISH_EVERY_S = 1.0
 
 
 def _freeze_startup_objects() -> None:
-    """Keep what start-up made (modules, the model, the pools: about 220,000 objects) out
-    of every later garbage collection.
+    """Keep what start-up made (modules, the model, the pools: about 220,000 objects in a
+    `bench` rank) out of every later garbage collection.
 
-    A full collection walks every tracked object; in a rank it took 130-175 ms, and the
-    objects one L3 hit allocates (its reads' buffers and views) set one off in the middle
-    of the read on every rank at once (py-spy: ``gc_collect_main`` under Ray's
-    deserialisation), so a fresh TP=2 deployment's L3 hit waited 230-270 ms for its reads
-    instead of 80-105. Frozen objects are never collected: start-up's are meant to live as
-    long as the process (vLLM's engine does the same after loading its model).
+    A full collection walks every tracked object: 130-175 ms in a rank. In a probe of fresh
+    TP=2 deployments the allocations of one L3 hit set one off in the middle of its reads,
+    on both ranks at once (py-spy: ``gc_collect_main`` under Ray's deserialisation), and the
+    reads took 230-330 ms instead of 63-106. Frozen objects are never collected, and
+    start-up's live as long as the process (vLLM's engine freezes its own the same way).
     """
     gc.collect()
     gc.freeze()

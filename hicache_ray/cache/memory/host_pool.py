@@ -137,9 +137,7 @@ class HostPool:
         """``[num_pages, L', S, P, H', D]``: an object's view in every page, or None when
         it spans layer groups."""
         kv = self.kv
-        lo, hi = layers or (0, kv.num_layers)
-        h_lo, h_hi = heads or (0, kv.local_heads)
-        self._object_parts(0, layers, heads)  # refuses layers or heads outside the shard
+        lo, hi, h_lo, h_hi = self._bounds(layers, heads)
         if self.layout == "layer_first":
             s, _, _, h, d = self.buffers[0].shape
             pages = self.buffers[0].view(s, kv.num_layers, self.num_pages, kv.page_size, h, d)
@@ -186,10 +184,7 @@ class HostPool:
     ) -> list[tuple[int, torch.Tensor]]:
         """``(offset, view [L', S, P, H', D])`` pieces of one object, one per layer group."""
         kv = self.kv
-        lo, hi = layers or (0, kv.num_layers)
-        h_lo, h_hi = heads or (0, kv.local_heads)
-        if not (0 <= lo < hi <= kv.num_layers and 0 <= h_lo < h_hi <= kv.local_heads):
-            raise ValueError(f"layers {lo}:{hi} / heads {h_lo}:{h_hi} outside this pool's shard")
+        lo, hi, h_lo, h_hi = self._bounds(layers, heads)
         if not 0 <= page < self.num_pages:
             raise ValueError(f"page {page} outside [0, {self.num_pages})")
         p = kv.page_size
@@ -203,6 +198,17 @@ class HostPool:
             if a < b:
                 parts.append((a - lo, buf[page, a - start : b - start, :, :, h_lo:h_hi]))
         return parts
+
+    def _bounds(
+        self, layers: tuple[int, int] | None, heads: tuple[int, int] | None
+    ) -> tuple[int, int, int, int]:
+        """``layers`` and ``heads`` (default: all of this shard's) as ``lo, hi, h_lo, h_hi``."""
+        kv = self.kv
+        lo, hi = layers or (0, kv.num_layers)
+        h_lo, h_hi = heads or (0, kv.local_heads)
+        if not (0 <= lo < hi <= kv.num_layers and 0 <= h_lo < h_hi <= kv.local_heads):
+            raise ValueError(f"layers {lo}:{hi} / heads {h_lo}:{h_hi} outside this pool's shard")
+        return lo, hi, h_lo, h_hi
 
     def _page_shape(self) -> tuple[int, ...]:
         kv = self.kv
