@@ -7,12 +7,12 @@ engines through a Serve handle whose request router picks the replica:
 
 * ``cache`` (:class:`CacheAwareRouter`): every engine replica publishes its deployment's
   cache events to the application's :class:`IndexActor` (a :class:`~hicache_ray.
-  cache_index.CacheIndex`); the router hashes the call's prompt pages and ranks the
-  replicas by the prefill each saves (L1 over L2) against its load
-  (:func:`~hicache_ray.serving.cache_index.rank_replicas`, weights in :class:`~hicache_ray.
-  cache_index.RouteWeights`); a prompt no replica holds a page of goes where the caches
-  have most room. No usable information (caches alike, the index not answering in time):
-  power of two choices. A replica that is down is no candidate, and
+  cache_index.CacheIndex`); the router hashes the call's prompt pages and sends it where
+  its prefill would end first: the prefill each replica's L1, L2 and the shared L3 save
+  against the work already pending there (:mod:`hicache_ray.serving.route_cost`); a
+  prompt no replica holds a page of goes where the caches have most room. No usable
+  information (caches and loads alike, the index not answering in time): power of two
+  choices. A replica that is down is no candidate, and
   one at capacity is skipped by Serve's probe, whatever it holds.
 * ``prefix``: Ray's ``PrefixCacheAffinityRouter`` as Ray ships it (it guesses from the
   prompt text it routed; the calls carry ``prompt`` or ``messages`` for it).
@@ -32,15 +32,16 @@ from typing import Any
 import msgspec
 import ray
 from ray import serve
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from actors.deployment import Deployment
 from actors.openai_engine import EngineCall, OpenAIEngine
 from hicache_ray.cache.events import EventBatch
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.keys import page_hashes
-from hicache_ray.serving.cache_index import CacheIndex, Hits, RouteWeights, rank_replicas
+from hicache_ray.serving.cache_index import CacheIndex, Hits
 from hicache_ray.serving.openai.text import text_codec
+from hicache_ray.serving.route_cost import InFlight, RouteWeights, rank_replicas, work
 
 __all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
 
@@ -197,24 +198,25 @@ class EngineReplica:
 
 
 class CacheAwareRouter(RequestRouter):
-    """Ranks replicas by the prefill their caches save (see the module docstring)."""
+    """Sends a call where its prefill would end first (see the module docstring)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         """``app`` (the index's name), ``page_size``, ``salt`` (the L3 keys' tenant salt),
-        the :class:`RouteWeights` ``l1``, ``l2``, ``queued``, ``room``, and ``wait_s``: how long a
-        decision waits for the index before it routes by power of two choices."""
+        the :class:`RouteWeights` ``l1``, ``l2``, ``l3``, ``load``, ``room``, and ``wait_s``:
+        how long a decision waits for the index before it routes by power of two choices."""
         self._app = str(kwargs.get("app", ""))
         self._page_size = int(kwargs.get("page_size", 0))
         self._salt = str(kwargs.get("salt", ""))
         defaults = RouteWeights()
         self._weights = RouteWeights(
-            l1=float(kwargs.get("l1", defaults.l1)),
-            l2=float(kwargs.get("l2", defaults.l2)),
-            queued=float(kwargs.get("queued", defaults.queued)),
-            room=float(kwargs.get("room", defaults.room)),
+            **{
+                name: float(kwargs.get(name, getattr(defaults, name)))
+                for name in ("l1", "l2", "l3", "load", "room")
+            }
         )
         self._wait_s = float(kwargs.get("wait_s", INDEX_WAIT_S))
         self._index: Any = None
+        self._inflight = InFlight()
 
     async def choose_replicas(
         self,
@@ -227,12 +229,32 @@ class CacheAwareRouter(RequestRouter):
         if len(candidate_replicas) > 1 and tokens and self._page_size:
             ranked = await self._ranked(candidate_replicas, tokens)
             if ranked is not None:
-                return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+                best, cost = ranked[0]
+                if pending_request is not None:
+                    request_id = pending_request.metadata.internal_request_id
+                    self._inflight.sent(request_id, best.replica_id.unique_id, cost)
+                order = [replica for replica, _ in ranked]
+                return [[best], order[1:]] if len(order) > 1 else [order]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        self._inflight.moved(request_id, replica_id.unique_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._inflight.finished(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.forget(replica_id.unique_id)
 
     async def _ranked(
         self, candidates: list[RunningReplica], tokens: list[int]
-    ) -> list[RunningReplica] | None:
+    ) -> list[tuple[RunningReplica, float]] | None:
+        """The candidates best first, each with the call's work there; None: no usable
+        information."""
         by_id = {r.replica_id.unique_id: r for r in candidates}
         hashes = page_hashes(tokens, self._page_size, salt=self._salt or None)
         if not hashes:
@@ -249,11 +271,15 @@ class CacheAwareRouter(RequestRouter):
         except Exception as exc:  # slow this time: power of two choices
             log.debug("cache index not answering: %s", exc)
             return None
-        queued = {
+        ongoing = {
             rid: self._replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()
         }
-        order = rank_replicas(list(by_id), hits, queued, self._page_size, self._weights, held)
-        return None if order is None else [by_id[rid] for rid in order]
+        pending = self._inflight.pending(ongoing, typical=float(len(tokens)))
+        page, weights = self._page_size, self._weights
+        order = rank_replicas(list(by_id), hits, pending, len(tokens), page, weights, held)
+        if order is None:
+            return None
+        return [(by_id[r], work(len(tokens), hits.get(r, Hits()), page, weights)) for r in order]
 
 
 # Ray's own prefix router, used as Ray ships it (``ray.serve.llm`` re-exports it, but that

@@ -11,7 +11,7 @@ from hicache_ray.serving.serve_options import ROUTERS
 __all__ = ["FAULT_SCENARIOS", "ROUTE_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
 
 # The scenarios of ``bench route`` (apps.bench.route_bench runs them).
-ROUTE_SCENARIOS = ("base", "ingresses", "restart", "pressure")
+ROUTE_SCENARIOS = ("base", "ingresses", "restart", "pressure", "hot")
 
 # The scenarios of ``bench faults`` (apps.bench.faults_bench runs them).
 FAULT_SCENARIOS = (
@@ -101,6 +101,8 @@ class RouteOptions:
     )
     rounds: int = field(default=4, metadata=flag("rounds", "turns each", type=positive_int))
     pressure_conversations: int = 15  # the pressure scenario's: near the cluster's L1 + L2
+    hot_shared_len: int = 1024  # the hot scenario's system prompt, the same for every one
+    hot_clients: int = 6  # the hot scenario's clients: load near the cluster's capacity
     system_len: int = 384  # the first turn's prompt, unique per conversation
     user_len: int = 32
     answer_len: int = 8
@@ -116,6 +118,8 @@ class RouteOptions:
             scenarios=("base", "restart"),
             conversations=6,
             pressure_conversations=8,
+            hot_shared_len=64,
+            hot_clients=3,
             clients=3,
             rounds=2,
             system_len=64,

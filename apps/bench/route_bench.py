@@ -1,8 +1,9 @@
 """``hicache-ray bench route``: N replicas behind each router, the same conversations.
 
 For each scenario, replica count and router, a fresh ``hicache-ray serve --replicas N
---router R`` app on 127.0.0.1 (TP=1 replicas, no L3: the hits counted are L1 + L2, the
-tiers a router can win; an L3 would serve every replica alike) gets the same multi-turn
+--router R`` app on 127.0.0.1 (TP=1 replicas, no L3 but in ``hot``: there the replicas
+share a ray L3, and the question is whether a router uses it to spread a hot prefix's
+load) gets the same multi-turn
 conversations, closed loop, each round's turns in the same seeded random order
 (:mod:`apps.bench.route_clients`). Every conversation starts
 with its own ``system_len`` tokens, so the working set exceeds one replica's L1 + L2 but
@@ -16,6 +17,10 @@ first):
   Serve with empty caches.
 * ``pressure``: ``pressure_conversations`` conversations, a working set close to the
   cluster's L1 + L2: evictions everywhere.
+* ``hot``: every conversation starts with one ``hot_shared_len``-token system prompt
+  (computed once, alone, before the rest arrive), ``hot_clients`` clients keep the
+  replicas near capacity, and the replicas share a ray L3: a router that keeps every turn
+  where the shared prompt is cached queues them all on one replica.
 
 Per run: prompt tokens served from cache (``usage.prompt_tokens_details.cached_tokens``,
 and by tier from its ``hicache`` extension), TTFT p50/p99, requests/s, failures, and the
@@ -49,12 +54,15 @@ def scenarios(opts: RouteOptions) -> dict[str, Scenario]:
         "ingresses": Scenario("ingresses", ingresses=2),
         "restart": Scenario("restart", restart_after=max(1, opts.rounds // 2)),
         "pressure": Scenario("pressure", conversations=opts.pressure_conversations),
+        "hot": Scenario(
+            "hot", clients=opts.hot_clients, shared_len=opts.hot_shared_len, storage="ray"
+        ),
     }
     return {name: every[name] for name in opts.scenarios}
 
 
 @contextmanager
-def _server(opts: RouteOptions, replicas: int, router: str, ingresses: int) -> Iterator[str]:
+def _server(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) -> Iterator[str]:
     """``replicas`` engine replicas behind ``router`` on 127.0.0.1; yields the base URL."""
     from ray import serve
 
@@ -62,12 +70,12 @@ def _server(opts: RouteOptions, replicas: int, router: str, ingresses: int) -> I
 
     args = {
         "model": opts.model,
-        "storage": "none",
+        "storage": scenario.storage,
         "device_tokens": str(opts.device_tokens),
         "page_size": str(opts.page_size),
         "replicas": str(replicas),
         "router": router,
-        "ingresses": str(ingresses),
+        "ingresses": str(scenario.ingresses),
         "served_name": SERVED,
     }
     port = free_port()
@@ -81,7 +89,7 @@ def _server(opts: RouteOptions, replicas: int, router: str, ingresses: int) -> I
 
 def _one(opts: RouteOptions, n: int, router: str, scenario: Scenario, vocab: int) -> RouteRun:
     """One fresh app, one scenario's conversations."""
-    with embedded_ray(n + scenario.ingresses), _server(opts, n, router, scenario.ingresses) as url:
+    with embedded_ray(n + scenario.ingresses), _server(opts, n, router, scenario) as url:
         app = f"openai-{os.getpid()}"  # the deployment's name: its index is named after it
         restart = partial(restart_one_engine, _APP, n)
         return asyncio.run(converse(url, opts, scenario, app, vocab, restart))
@@ -97,6 +105,7 @@ def _figures(prefix: str, run: RouteRun) -> list[Figure]:
         figure(f"{prefix}.hit_share", share, "x"),
         figure(f"{prefix}.misrouted_share", misrouted, "x", better="lower"),
         figure(f"{prefix}.ttft_p50_ms", percentile(run.ttft_s, 50) * 1e3, "ms", better="lower"),
+        figure(f"{prefix}.ttft_p90_ms", percentile(run.ttft_s, 90) * 1e3, "ms", better="lower"),
         figure(f"{prefix}.ttft_p99_ms", percentile(run.ttft_s, 99) * 1e3, "ms", better="lower"),
         figure(f"{prefix}.requests_per_s", rate, "1/s"),
         figure(f"{prefix}.failed", float(run.failed), "requests", better="lower"),
@@ -153,12 +162,23 @@ def _comparisons(runs: dict[tuple[str, str], RouteRun], names: list[str]) -> lis
                 ratio = cache.cached_tokens / max(1, base.cached_tokens)
                 name = f"route{label}.cache_vs_{other}.hit_tokens"
                 out.append(figure(name, ratio, "x", target=goal if headline else None))
-        if "pow2" in routers and cache.ttft_s:
-            pow2 = _pooled(runs, among, "pow2")
-            if pow2.ttft_s:
-                ratio = percentile(cache.ttft_s, 50) / percentile(pow2.ttft_s, 50)
-                name = f"route{label}.cache_vs_pow2.ttft_p50"
-                out.append(
-                    figure(name, ratio, "x", target=0.7 if headline else None, better="lower")
-                )
+        out += _ttft_ratios(runs, among, label, routers)
+    return out
+
+
+def _ttft_ratios(
+    runs: dict[tuple[str, str], RouteRun], among: list[str], label: str, routers: set[str]
+) -> list[Figure]:
+    """The cache router's TTFT over the others' (p50 against pow2 over every scenario, with
+    its target; p90 against both per scenario, the blind spots' figure)."""
+    cache, out = _pooled(runs, among, "cache"), []
+    for other in ("pow2", "prefix"):
+        base = _pooled(runs, among, other) if other in routers else RouteRun()
+        if not (cache.ttft_s and base.ttft_s):
+            continue
+        for p in (50, 90):
+            goal = 0.7 if not label and other == "pow2" and p == 50 else None
+            ratio = percentile(cache.ttft_s, p) / percentile(base.ttft_s, p)
+            name = f"route{label}.cache_vs_{other}.ttft_p{p}"
+            out.append(figure(name, ratio, "x", target=goal, better="lower"))
     return out

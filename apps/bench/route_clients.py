@@ -33,8 +33,13 @@ class Scenario:
     """One way of running the conversations.
 
     Attributes:
-        name: ``base``, ``ingresses``, ``restart`` or ``pressure``.
+        name: ``base``, ``ingresses``, ``restart``, ``pressure`` or ``hot``.
         conversations: how many (0: the options' number).
+        clients: concurrent clients (0: the options' number).
+        shared_len: tokens of one system prompt that every conversation starts with (0:
+            none); the first conversation's first turn then runs alone, so that prompt is
+            on one replica (and in the L3) before the others arrive.
+        storage: the replicas' shared L3 (``none`` or ``ray``).
         ingresses: HTTP ingress replicas, each routing with its own router instance.
         restart_after: rounds after which one engine replica is killed and replaced, its
             caches lost (0: never); the clients pause at that round's end, so no turn is
@@ -45,6 +50,9 @@ class Scenario:
     conversations: int = 0
     ingresses: int = 1
     restart_after: int = 0
+    clients: int = 0
+    shared_len: int = 0
+    storage: str = "none"
 
 
 @dataclass
@@ -125,7 +133,8 @@ async def converse(
     before round ``restart_after``."""
     run, truth = RouteRun(), _Truth(app, opts.page_size)
     count = scenario.conversations or opts.conversations
-    history = [random_tokens(vocab, opts.system_len, 1000 + c) for c in range(count)]
+    shared = random_tokens(vocab, scenario.shared_len, 999) if scenario.shared_len else []
+    history = [shared + random_tokens(vocab, opts.system_len, 1000 + c) for c in range(count)]
     async with openai_client(url) as client:
 
         async def turn(round_: int, c: int) -> None:
@@ -153,7 +162,10 @@ async def converse(
             # of two choices then keeps sending a conversation where it went before.
             order = list(range(count))
             random.Random(round_).shuffle(order)
-            await asyncio.gather(*(client_loop(round_, order) for _ in range(opts.clients)))
+            if round_ == 0 and shared:  # the shared prompt reaches one replica first
+                await turn(round_, order.pop())
+            clients = scenario.clients or opts.clients
+            await asyncio.gather(*(client_loop(round_, order) for _ in range(clients)))
         run.wall_s = time.perf_counter() - started
     return run
 

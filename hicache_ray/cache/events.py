@@ -15,8 +15,12 @@ drifting.
 The records follow vLLM's KV-event schema (``vllm.distributed.kv_events``: tagged,
 array-like msgspec structs, ``medium`` naming the tier) so other routers can read them:
 ``medium`` is ``"GPU"`` for L1 (device memory, host memory on CPU-only machines) and
-``"CPU"`` for L2; block hashes are the 64-character hex page hashes; ``token_ids`` is left
-empty (every block is one whole page of ``block_size`` tokens; the hashes name them).
+``"CPU"`` for L2, and ``"L3"`` (:data:`STORE_MEDIUM`, this library's own) for pages whose
+backup to the shared store every rank acknowledged: the store is shared, so a subscriber
+keeps those apart from the replica's own tiers, and never hears of their removal (the
+store evicts on its own; a read of a page it no longer holds is a miss). Block hashes are
+the 64-character hex page hashes; ``token_ids`` is left empty (every block is one whole
+page of ``block_size`` tokens; the hashes name them).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from hicache_ray.cache.tree import HiRadixTree, Tier, TreeNode, node_page_hashes
 
 __all__ = [
     "MEDIUM",
+    "STORE_MEDIUM",
     "check_position",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -44,6 +49,7 @@ __all__ = [
 ]
 
 MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU"}  # vLLM's names of the tiers
+STORE_MEDIUM = "L3"  # pages backed up to the shared store (no vLLM name for it)
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -152,13 +158,18 @@ class CacheEvents:
         hashes = self._hashes(node)
         self._pending.append(BlockRemoved(list(hashes), MEDIUM[tier]))
 
-    def _stored(self, node: TreeNode, tier: Tier) -> BlockStored:
+    def backed_up(self, node: TreeNode) -> None:
+        """``node``'s pages are in the shared store (its backup was acknowledged)."""
+        self._pending.append(self._stored(node, STORE_MEDIUM))
+
+    def _stored(self, node: TreeNode, tier: Tier | str) -> BlockStored:
         hashes = self._hashes(node)
         parent = node.parent
         prior = None
         if parent is not None and parent is not self._tree.root:
             prior = self._hashes(parent)[-1]
-        return BlockStored(list(hashes), prior, [], self._tree.page_size, medium=MEDIUM[tier])
+        medium = tier if isinstance(tier, str) else MEDIUM[tier]
+        return BlockStored(list(hashes), prior, [], self._tree.page_size, medium=medium)
 
     def _hashes(self, node: TreeNode) -> list[str]:
         return node_page_hashes(node, self._tree.root, self._tree.page_size, self._salt)

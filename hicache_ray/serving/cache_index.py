@@ -7,15 +7,23 @@ or that comes from another journal (a restarted or re-formed replica), is refuse
 :meth:`CacheIndex.apply` returns False and the subscriber resets the replica from a
 snapshot. Memory stays bounded by what the replicas hold: a page leaves the index with its
 ``BlockRemoved``, and a replica's pages with the replica.
+
+Pages a replica backed up to the shared L3 (``"L3"`` events) go to one set for the whole
+application, whichever replica wrote them: every replica reads the same store. The store
+evicts without telling anyone, so that set keeps the ``store_pages`` most recently stored
+pages; a page it names that the store no longer holds costs the replica that reads it a
+miss (it computes the page), never a wrong answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hicache_ray.cache.events import (
     MEDIUM,
+    STORE_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -24,7 +32,7 @@ from hicache_ray.cache.events import (
 )
 from hicache_ray.cache.tree import Tier
 
-__all__ = ["CacheIndex", "Hits", "RouteWeights", "rank_replicas"]
+__all__ = ["CacheIndex", "Hits"]
 
 _L1, _L2 = MEDIUM[Tier.DEVICE], MEDIUM[Tier.HOST]
 
@@ -37,10 +45,13 @@ class Hits:
         device: leading pages in L1.
         host: the leading pages past those that L2 holds (so ``device + host`` leading
             pages need no prefill there).
+        shared: the leading pages past those that the shared L3 holds (read from the
+            store there).
     """
 
     device: int = 0
     host: int = 0
+    shared: int = 0
 
 
 @dataclass
@@ -54,8 +65,12 @@ class _Replica:
 class CacheIndex:
     """The cached pages of every replica of an application (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, store_pages: int = 1 << 18) -> None:
+        if type(store_pages) is not int or store_pages < 0:
+            raise ValueError(f"store_pages must be an int >= 0, got {store_pages!r}")
         self._replicas: dict[str, _Replica] = {}
+        self._store: OrderedDict[str, None] = OrderedDict()  # the L3's pages, oldest first
+        self._store_pages = store_pages
 
     @property
     def replicas(self) -> list[str]:
@@ -63,8 +78,9 @@ class CacheIndex:
 
     @property
     def size(self) -> int:
-        """Page entries held (over every replica and tier)."""
-        return sum(len(s) for r in self._replicas.values() for s in r.pages.values())
+        """Page entries held (over every replica and tier, and the shared L3's)."""
+        own = sum(len(s) for r in self._replicas.values() for s in r.pages.values())
+        return own + len(self._store)
 
     def lag_s(self, replica: str, now: float) -> float:
         """Seconds between ``now`` and the making of ``replica``'s last batch applied."""
@@ -82,14 +98,14 @@ class CacheIndex:
         r = self._replicas.get(replica)
         if r is None or published.epoch != r.epoch or published.seq != r.seq + 1:
             return False
-        _play(r, published.batch.events)
+        self._play(r, published.batch.events)
         r.seq, r.ts = published.seq, published.batch.ts
         return True
 
     def reset(self, replica: str, snapshot: EventBatch) -> None:
         """Replace what is known of ``replica`` by its snapshot (or first batch)."""
         r = _Replica(snapshot.epoch, snapshot.seq, snapshot.batch.ts)
-        _play(r, snapshot.batch.events)
+        self._play(r, snapshot.batch.events)
         self._replicas[replica] = r
 
     def remove(self, replica: str) -> None:
@@ -102,75 +118,41 @@ class CacheIndex:
         return 0 if r is None else len(r.pages[_L1] | r.pages[_L2])
 
     def hits(self, replica: str, hashes: Sequence[str]) -> Hits:
-        """What ``replica`` holds of the prompt whose page hashes are ``hashes``."""
+        """What ``replica`` holds of the prompt whose page hashes are ``hashes`` (one not
+        heard of yet holds nothing of its own, and reads the shared L3 as any other)."""
         r = self._replicas.get(replica)
-        if r is None:
-            return Hits()
-        l1, l2 = r.pages[_L1], r.pages[_L2]
+        l1, l2 = (r.pages[_L1], r.pages[_L2]) if r is not None else (set(), set())
         device = 0
         while device < len(hashes) and hashes[device] in l1:
             device += 1
         cached = device
         while cached < len(hashes) and (hashes[cached] in l2 or hashes[cached] in l1):
             cached += 1
-        return Hits(device, cached - device)
+        shared = cached
+        while shared < len(hashes) and hashes[shared] in self._store:
+            shared += 1
+        return Hits(device, cached - device, shared - cached)
 
+    def _play(self, r: _Replica, events: Sequence[Event]) -> None:
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                for held in r.pages.values():
+                    held.clear()
+            elif event.medium == STORE_MEDIUM:
+                self._play_store(event)
+            elif isinstance(event, BlockStored):
+                r.pages.setdefault(event.medium or _L1, set()).update(event.block_hashes)
+            else:
+                r.pages.setdefault(event.medium or _L1, set()).difference_update(event.block_hashes)
 
-def _play(r: _Replica, events: Sequence[Event]) -> None:
-    for event in events:
-        if isinstance(event, BlockStored):
-            r.pages.setdefault(event.medium or _L1, set()).update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            r.pages.setdefault(event.medium or _L1, set()).difference_update(event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            for held in r.pages.values():
-                held.clear()
-
-
-@dataclass(frozen=True)
-class RouteWeights:
-    """How the cache router values a replica, in prompt tokens whose prefill it saves.
-
-    Attributes:
-        l1: worth of a prompt token cached in the replica's L1.
-        l2: worth of one cached in its L2 only (it is copied to L1 first).
-        queued: cost of one request waiting or running there (its share of the batch).
-        room: cost of one token the replica caches already, for a prompt of which no
-            replica caches a page: new prefixes go where the caches have most room.
-    """
-
-    l1: float = 1.0
-    l2: float = 0.8
-    queued: float = 64.0
-    room: float = 0.25
-
-
-def rank_replicas(
-    replicas: Sequence[str],
-    hits: Mapping[str, Hits],
-    queued: Mapping[str, int],
-    page_size: int,
-    weights: RouteWeights = RouteWeights(),
-    held: Mapping[str, int] | None = None,
-) -> list[str] | None:
-    """``replicas`` best first: the prefill each saves (L1 pages worth more than L2 pages)
-    minus its load. When none holds a page of the prompt: the room each has (``held``:
-    the pages each caches) minus its load; None when that tells them apart neither (no
-    usable information). L3 pages are left out: every replica reads the same store."""
-    if not any(hits.get(r, Hits()).device or hits.get(r, Hits()).host for r in replicas):
-        sizes = held or {}
-        if len({sizes.get(r, 0) for r in replicas}) < 2:
-            return None
-
-        def room(replica: str) -> float:
-            full = weights.room * sizes.get(replica, 0) * page_size
-            return -full - weights.queued * queued.get(replica, 0)
-
-        return sorted(replicas, key=room, reverse=True)
-
-    def score(replica: str) -> float:
-        h = hits.get(replica, Hits())
-        saved = (weights.l1 * h.device + weights.l2 * h.host) * page_size
-        return saved - weights.queued * queued.get(replica, 0)
-
-    return sorted(replicas, key=score, reverse=True)
+    def _play_store(self, event: BlockStored | BlockRemoved) -> None:
+        store = self._store
+        if isinstance(event, BlockRemoved):
+            for page in event.block_hashes:
+                store.pop(page, None)
+            return
+        for page in event.block_hashes:
+            store[page] = None
+            store.move_to_end(page)
+        while len(store) > self._store_pages:
+            store.popitem(last=False)

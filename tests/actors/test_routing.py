@@ -18,7 +18,6 @@ import pytest
 
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import page_hashes
-from hicache_ray.serving.cache_index import Hits, RouteWeights, rank_replicas
 from hicache_ray.serving.serve_options import serve_ingresses, serve_replicas
 from tests.helpers import ensure_local_ray, wait_until
 
@@ -27,43 +26,19 @@ ray = pytest.importorskip("ray")
 PAGE = 4
 
 
-def test_replicas_rank_by_saved_prefill_against_load() -> None:
-    hits = {"a": Hits(device=2), "b": Hits(device=1, host=3), "c": Hits()}
-    assert rank_replicas(["a", "b", "c"], hits, {}, PAGE) == ["b", "a", "c"]  # 3.4 > 2 pages
-    only_l1 = RouteWeights(l2=0.0)
-    assert rank_replicas(["a", "b", "c"], hits, {}, PAGE, only_l1) == ["a", "b", "c"]
-    busy = {"b": 4}  # four requests there cost more than its hits save (4 x 64 > 13.6 tokens)
-    assert rank_replicas(["a", "b", "c"], hits, busy, PAGE)[:2] == ["a", "c"]
-    assert rank_replicas(["a", "b"], {"a": Hits(), "b": Hits()}, {}, PAGE) is None  # pow2
-    assert rank_replicas(["x"], {}, {}, PAGE) is None  # an unknown replica: no information
-
-
-def test_a_prefix_no_replica_holds_goes_where_the_caches_have_room() -> None:
-    none = {"a": Hits(), "b": Hits(), "c": Hits()}
-    held = {"a": 900, "b": 100, "c": 500}  # pages cached in all
-    assert rank_replicas(["a", "b", "c"], none, {}, PAGE, held=held) == ["b", "c", "a"]
-    # 400 more pages (1600 tokens, 400 at 0.25 each) weigh more than six queued requests
-    # (384), less than seven (448)
-    assert rank_replicas(["b", "c"], none, {"b": 6}, PAGE, held=held) == ["b", "c"]
-    assert rank_replicas(["b", "c"], none, {"b": 7}, PAGE, held=held) == ["c", "b"]
-    alike = {"a": 300, "b": 300}
-    assert rank_replicas(["a", "b"], none, {}, PAGE, held=alike) is None  # pow2
-    assert rank_replicas(["a", "b"], {"a": Hits(host=1)}, {}, PAGE, held=held) == ["a", "b"]
-
-
 def test_bad_replica_options_are_refused() -> None:
     assert serve_replicas({}) == (1, "cache", {})
-    weights = {"route_weights": "l1=2, queued=10"}
+    weights = {"route_weights": "l1=2, load=0.5, l3=0.7"}
     assert serve_replicas({"replicas": "3", "router": "prefix", **weights}) == (
         3,
         "prefix",
-        {"l1": 2.0, "queued": 10.0},
+        {"l1": 2.0, "load": 0.5, "l3": 0.7},
     )
     bad_options = [
         {"replicas": "0"},
         {"replicas": "two"},
         {"router": "random"},
-        {"route_weights": "l3=1"},
+        {"route_weights": "queued=64"},
         {"route_weights": "room=-0.1"},
         {"route_weights": "l1=-1"},
         {"route_weights": "l1=x"},

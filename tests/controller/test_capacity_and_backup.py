@@ -12,6 +12,7 @@ from hicache_ray.base.errors import HiCacheError
 from hicache_ray.base.storage_config import Fault
 from hicache_ray.cache.controller import Arrival
 from hicache_ray.keys import page_hashes, plan_shard
+from hicache_ray.serving.cache_index import CacheIndex, Hits
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (
@@ -236,3 +237,27 @@ def test_backups_behind_by_an_eighth_of_l2_run_beside_the_forward(
         objects.gate.set()
     drain(ctl)
     assert stored_pages(objects, prompt(1, tokens)) == [True] * (tokens // PAGE)
+
+
+@pytest.mark.parametrize("down", [False, True])
+def test_the_journal_names_the_pages_every_rank_backed_up(down: bool) -> None:
+    objects = MemoryObjects()
+    faults = (Fault(op="write", kind="fail", skip=4),) if down else ()  # down after 4 objects
+    ctl = make_controller(controller_config(), KV, objects, faults=faults)
+    journal = ctl.publish_events()
+    tokens = prompt(1, 40)
+    run_request(ctl, "a", tokens)
+    drain(ctl)
+    journal.flush()
+    index = CacheIndex()
+    batches = journal.since(0) or []
+    index.reset("r", batches[0])
+    assert all(index.apply("r", batch) for batch in batches[1:])
+    hashes = page_hashes(tokens, PAGE)
+    backed_up = ctl.stats().backed_up_pages
+    assert backed_up == (0 if down else 10)  # a failed batch leaves its pages unnamed
+    assert index.hits("r", hashes) == Hits(device=10)
+    assert index.hits("other", hashes) == Hits(shared=backed_up)
+    index.reset("r", journal.snapshot())  # a snapshot is of the replica's own tiers
+    assert index.hits("other", hashes) == Hits(shared=backed_up)
+    ctl.close()

@@ -126,6 +126,7 @@ class Acknowledger:
         if ok:
             self._stats.backed_up_pages += len(task.hashes)
             self._stats.backup_bytes += task.num_bytes
+            self._cache.tree.observer.backed_up(node)
             for child in list(node.children.values()):
                 if child.backup == BackupMark.WAITING:  # its gap just closed
                     child.backup = None

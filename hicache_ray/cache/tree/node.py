@@ -39,6 +39,9 @@ class TierObserver(Protocol):
 
     def removed(self, node: TreeNode, tier: Tier) -> None: ...
 
+    def backed_up(self, node: TreeNode) -> None:
+        """Told once every rank acknowledged ``node``'s backup to the shared store."""
+
 
 class _Silent:
     """The observer of a tree nobody listens to."""
@@ -47,6 +50,9 @@ class _Silent:
         pass
 
     def removed(self, node: TreeNode, tier: Tier) -> None:
+        pass
+
+    def backed_up(self, node: TreeNode) -> None:
         pass
 
 
