@@ -168,9 +168,18 @@ def _routed_text(tokens: list[int]) -> str:
 class OpenAIEngine:
     """Runs calls on one deployment and answers them in OpenAI's format."""
 
-    def __init__(self, deployment: Deployment, codec: TextCodec) -> None:
+    def __init__(self, deployment: Deployment, codec: TextCodec, replica: str = "") -> None:
         self.deployment = deployment
         self.codec = codec
+        self.replica = replica  # named in each answer's usage ("": one replica)
+
+    def _tiers(self, result: RequestResult) -> dict[str, Any]:
+        return {
+            "device": result.device_hit_tokens,
+            "host": result.host_hit_tokens,
+            "storage": result.storage_hit_tokens,
+            "replica": self.replica,
+        }
 
     async def respond(self, call: EngineCall) -> dict[str, Any]:
         """The JSON body of a non-streamed call."""
@@ -179,7 +188,7 @@ class OpenAIEngine:
         out = text.text + (text.finish() if not text.stopped else "")
         reason = "stop" if text.stopped else str(result.finish_reason)
         prompt = len(call.request.tokens)
-        use = usage(prompt, _completion_tokens(result, text), **_tiers(result))
+        use = usage(prompt, _completion_tokens(result, text), **self._tiers(result))
         build = chat_response if call.chat else completion_response
         return build(call.request.rid, call.model, out, reason, use)
 
@@ -243,7 +252,8 @@ class OpenAIEngine:
             else completion_chunk(rid, model, rest, reason)
         )
         if call.include_usage:
-            use = usage(len(request.tokens), _completion_tokens(result, text), **_tiers(result))
+            completion = _completion_tokens(result, text)
+            use = usage(len(request.tokens), completion, **self._tiers(result))
             yield sse(
                 chat_chunk(rid, model, {}, None, use)
                 if chat
@@ -265,14 +275,6 @@ def _checked(result: RequestResult) -> RequestResult:
 def _unavailable(exc: DeploymentError) -> OpenAIError:
     """A deployment that cannot serve (shut down, or no retry left): 503."""
     return OpenAIError(503, str(exc), kind="server_error", retry_after_s=RETRY_AFTER_S)
-
-
-def _tiers(result: RequestResult) -> dict[str, int]:
-    return {
-        "device": result.device_hit_tokens,
-        "host": result.host_hit_tokens,
-        "storage": result.storage_hit_tokens,
-    }
 
 
 def _completion_tokens(result: RequestResult, text: IncrementalText) -> int:

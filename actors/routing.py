@@ -181,7 +181,8 @@ class EngineReplica:
         # each replica's ranks and placement groups are named apart
         config = msgspec.structs.replace(config, name=f"{config.name}-{replica}")
         self.deployment = Deployment.launch(config)
-        self.engine = OpenAIEngine(self.deployment, text_codec(config.model.checkpoint))
+        codec = text_codec(config.model.checkpoint)
+        self.engine = OpenAIEngine(self.deployment, codec, replica)
         self._publisher = _Publisher(self.deployment, app, replica)
         self._publisher.start()
 

@@ -23,8 +23,9 @@ first):
   where the shared prompt is cached queues them all on one replica.
 
 Per run: prompt tokens served from cache (``usage.prompt_tokens_details.cached_tokens``,
-and by tier from its ``hicache`` extension), TTFT p50/p99, requests/s, failures, and the
-share of turns sent to a replica holding less of their prefix than the best one did. The
+and by tier from its ``hicache`` extension), TTFT p50/p90/p99, requests/s, failures, the
+share of turns sent to a replica holding less of their prefix than the best one did, and
+the busiest replica's share of the turns (the ``hicache`` extension names the replica). The
 comparisons (``route.cache_vs_*``) add up every scenario at the first replica count.
 """
 
@@ -99,11 +100,13 @@ def _figures(prefix: str, run: RouteRun) -> list[Figure]:
     share = run.cached_tokens / run.prompt_tokens if run.prompt_tokens else 0.0
     rate = len(run.ttft_s) / run.wall_s if run.wall_s else 0.0
     misrouted = run.misrouted / run.judged if run.judged else 0.0
+    busiest = max(run.served_by.values(), default=0) / max(1, sum(run.served_by.values()))
     return [
         figure(f"{prefix}.hit_tokens", float(run.cached_tokens), "tokens"),
         *(figure(f"{prefix}.hit_tokens.{t}", float(n), "tokens") for t, n in run.tiers.items()),
         figure(f"{prefix}.hit_share", share, "x"),
         figure(f"{prefix}.misrouted_share", misrouted, "x", better="lower"),
+        figure(f"{prefix}.busiest_share", busiest, "x", better="lower"),
         figure(f"{prefix}.ttft_p50_ms", percentile(run.ttft_s, 50) * 1e3, "ms", better="lower"),
         figure(f"{prefix}.ttft_p90_ms", percentile(run.ttft_s, 90) * 1e3, "ms", better="lower"),
         figure(f"{prefix}.ttft_p99_ms", percentile(run.ttft_s, 99) * 1e3, "ms", better="lower"),

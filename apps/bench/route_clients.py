@@ -66,6 +66,7 @@ class RouteRun:
     failed: int = 0
     judged: int = 0  # turns whose best replica the index could tell
     misrouted: int = 0  # of those, turns served less of their prefix than the best held
+    served_by: dict[str, int] = field(default_factory=dict)  # turns per engine replica
     wall_s: float = 0.0
 
 
@@ -118,6 +119,8 @@ async def _turn(
                 for tier in TIERS:
                     run.tiers[tier] += int(tiers.get(tier, 0))
                 served = int(tiers.get("l1", 0)) + int(tiers.get("l2", 0))
+                replica = str(tiers.get("replica", ""))
+                run.served_by[replica] = run.served_by.get(replica, 0) + 1
     except Exception:
         run.failed += 1
         return 0, []

@@ -125,6 +125,8 @@ def test_the_next_turn_reaches_the_replica_that_holds_its_history(
             turns[c] = prompt + [(c + len(prompt)) % 200 + 1 for _ in range(2 * PAGE)]
             answer = _complete(port, turns[c])
             assert _cached(answer) >= len(prompt) // PAGE * PAGE - PAGE, (c, answer["usage"])
+            served_by = answer["usage"]["prompt_tokens_details"]["hicache"]["replica"]
+            assert served_by == holders[c]  # the answer names the replica that served it
     # The ranks of the replica holding conversation 0 die: its next request re-forms them
     # (empty caches, a new journal), the index resets it, the other replica keeps routing.
     lost = _holders(index, turns)[0]

@@ -139,20 +139,30 @@ def error_body(error: OpenAIError) -> dict[str, Any]:
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, *, device: int, host: int, storage: int
+    prompt_tokens: int,
+    completion_tokens: int,
+    *,
+    device: int,
+    host: int,
+    storage: int,
+    replica: str = "",
 ) -> dict[str, Any]:
     """OpenAI's usage object. ``cached_tokens`` is ``device + host`` (host hits include the
     tokens read from storage for the request); ``prompt_tokens_details.hicache`` (an
     extension clients ignore) splits it by the tier that served them: ``l1`` (device),
-    ``l2`` (host) and ``l3`` (storage)."""
+    ``l2`` (host) and ``l3`` (storage), and names the engine ``replica`` that served the
+    call when there are several."""
     from_l3 = min(storage, host)
+    tiers: dict[str, Any] = {"l1": device, "l2": host - from_l3, "l3": from_l3}
+    if replica:
+        tiers["replica"] = replica
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {
             "cached_tokens": device + host,
-            "hicache": {"l1": device, "l2": host - from_l3, "l3": from_l3},
+            "hicache": tiers,
         },
     }
 
