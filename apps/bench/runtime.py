@@ -37,7 +37,14 @@ from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
 
-__all__ = ["RuntimeBenchOptions", "run_runtime_bench"]
+__all__ = ["RuntimeBenchOptions", "hit_credit", "run_runtime_bench"]
+
+
+def hit_credit(hit: float, l1: float, miss: float) -> float:
+    """The share of the prefill an L1 hit saves that a hit from another tier saves (TTFTs
+    of the same prompt: ``1 - (hit - l1) / (miss - l1)``), the cache router's credit for
+    that tier (:class:`~hicache_ray.serving.route_cost.RouteWeights`)."""
+    return 1.0 - (hit - l1) / (miss - l1) if miss > l1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,8 @@ def _tier_figures(
     figures.append(
         figure("runtime.l2_hit.overhead_vs_floor", overhead, "x", target=1.5, better="lower")
     )
+    credit = hit_credit(med["l2"], med["l1"], med["miss"])
+    figures.append(figure("runtime.l2_hit.credit", credit, "x"))  # the longest prefix's
     return figures + _split_figures(results, log)  # of the longest prefix
 
 

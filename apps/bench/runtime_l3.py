@@ -27,6 +27,7 @@ import xxhash
 from actors.deployment import Deployment
 from actors.ray_store import RayObjects
 from actors.stores import drop_store
+from apps.bench.runtime import hit_credit
 from apps.bench.runtime_guard import guard_figures
 from apps.bench.workload import random_tokens
 from apps.experiments import shared_storage
@@ -98,23 +99,28 @@ def _bare_read_s(model: ModelConfig, cache: CacheConfig, tp: int, prefix: list[i
     return float(statistics.median(times))
 
 
-def _hits(config: DeploymentConfig, prefix: list[int], i: int) -> tuple[RequestResult, float]:
-    """A fresh deployment: an L3 hit, then an L1 hit (its caller TTFT)."""
+def _hits(
+    config: DeploymentConfig, prefix: list[int], i: int
+) -> tuple[RequestResult, float, float]:
+    """A fresh deployment: an L3 hit, then an L1 hit, then a prompt as long that nothing
+    holds (the caller TTFTs of the last two)."""
     vocab = config.model.vocab_size
     dep = Deployment.launch(config)
+    new = len(prefix) + 16
     try:
         dep.generate([GenerateRequest("warm", random_tokens(vocab, 32, 900 + i), 1)])
         l3 = dep.generate([GenerateRequest("l3", prefix + random_tokens(vocab, 16, i), 1)])[0]
         dep.wait_idle(timeout_s=120)
         l1 = dep.generate([GenerateRequest("l1", prefix + random_tokens(vocab, 16, 50 + i), 1)])
+        miss = dep.generate([GenerateRequest("miss", random_tokens(vocab, new, 7000 + i), 1)])
     finally:
         dep.shutdown()
-    for r in (l3, l1[0]):
+    for r in (l3, l1[0], miss[0]):
         if r.error is not None:
             raise RuntimeError(f"bench request failed: {r.error}")
     if l3.storage_hit_tokens < len(prefix) - 16:
         raise RuntimeError(f"the L3 hit found {l3.storage_hit_tokens} of {len(prefix)} tokens")
-    return l3, l1[0].caller_ttft_s
+    return l3, l1[0].caller_ttft_s, miss[0].caller_ttft_s
 
 
 def l3_hit_figures(
@@ -166,21 +172,26 @@ def _tp_figures(
     repeats: int,
     log: Callable[[str], None],
 ) -> list[Figure]:
-    runs: list[tuple[RequestResult, float]] = []
+    runs: list[tuple[RequestResult, float, float]] = []
     for i in range(repeats):
         name = f"bench-l3r-tp{tp}-{i}-{os.getpid()}"
         config = DeploymentConfig(name=name, model=model, cache=cache, tp_size=tp)
         runs.append(_hits(config, prefix, i))
     bare = _bare_read_s(model, cache, tp, prefix) * 1e3
-    splits = [r.ttft_split for r, _ in runs]
+    splits = [r.ttft_split for r, _, _ in runs]
     wait = statistics.median((s.query_s + s.agreement_s + s.prefetch_s) * 1e3 for s in splits)
-    l3 = statistics.median(r.caller_ttft_s * 1e3 for r, _ in runs)
-    l1 = statistics.median(t * 1e3 for _, t in runs)
+    l3 = statistics.median(r.caller_ttft_s * 1e3 for r, _, _ in runs)
+    l1 = statistics.median(t * 1e3 for _, t, _ in runs)
+    miss = statistics.median(t * 1e3 for _, _, t in runs)
+    credit = hit_credit(l3, l1, miss)
     log(
         f"runtime: TP={tp} L3 hit {l3:.0f} ms at the caller (wait {wait:.0f} ms; bare Ray "
-        f"reads {bare:.0f} ms), L1 hit {l1:.0f} ms"
+        f"reads {bare:.0f} ms), L1 hit {l1:.0f} ms, recompute {miss:.0f} ms: the L3 hit "
+        f"saves {credit:.2f} of what an L1 hit saves"
     )
     return [
+        figure(f"runtime.miss.caller_ttft_ms.tp{tp}", miss, "ms", better="lower"),
+        figure(f"runtime.l3_hit.credit.tp{tp}", credit, "x"),
         *split_figures(f"runtime.l3_hit.tp{tp}", splits),
         figure(f"runtime.l3_hit.ttft_ms.tp{tp}", l3, "ms", better="lower"),
         figure(f"runtime.l1_hit.caller_ttft_ms.tp{tp}", l1, "ms", better="lower"),
