@@ -3,6 +3,7 @@ flag declared once with :func:`~apps.cli_args.flag` (light: ``--help`` imports t
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from apps.cli_args import MODEL_PRESETS, csv_of, flag, positive_float, positive_int
@@ -11,7 +12,7 @@ from hicache_ray.serving.serve_options import ROUTERS
 __all__ = ["FAULT_SCENARIOS", "ROUTE_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
 
 # The scenarios of ``bench route`` (apps.bench.route_bench runs them).
-ROUTE_SCENARIOS = ("base", "ingresses", "restart", "pressure", "hot")
+ROUTE_SCENARIOS = ("base", "ingresses", "restart", "pressure", "hot", "burst", "reform")
 
 # The scenarios of ``bench faults`` (apps.bench.faults_bench runs them).
 FAULT_SCENARIOS = (
@@ -72,6 +73,18 @@ class SoakOptions:
     seed: int = field(default=0, metadata=flag("seed", "seed of the load and faults", type=int))
 
 
+def _route_weights(text: str) -> str:
+    """``text`` if the cache router takes it as its weights (argparse's type check)."""
+    from hicache_ray.base.errors import ConfigError
+    from hicache_ray.serving.serve_options import serve_replicas
+
+    try:
+        serve_replicas({"route_weights": text})
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
 @dataclass(frozen=True)
 class RouteOptions:
     """What ``bench route`` runs: multi-turn conversations through the OpenAI endpoint of
@@ -103,11 +116,21 @@ class RouteOptions:
     pressure_conversations: int = 15  # the pressure scenario's: near the cluster's L1 + L2
     hot_shared_len: int = 1024  # the hot scenario's system prompt, the same for every one
     hot_clients: int = 6  # the hot scenario's clients: load near the cluster's capacity
+    burst_siblings: int = 6  # the burst scenario's siblings per new shared prompt
     system_len: int = 384  # the first turn's prompt, unique per conversation
     user_len: int = 32
     answer_len: int = 8
     page_size: int = 16
     device_tokens: int = 2048  # L1 per replica; L2 is twice that
+    route_weights: str = field(
+        default="",
+        metadata=flag(
+            "route-weights",
+            "the cache router's weights, as serve's --route-weights (docs/serving.md)",
+            type=_route_weights,
+            metavar="l1=1,...",
+        ),
+    )
     quick: bool = False
 
     @classmethod
@@ -120,6 +143,7 @@ class RouteOptions:
             pressure_conversations=8,
             hot_shared_len=64,
             hot_clients=3,
+            burst_siblings=3,
             clients=3,
             rounds=2,
             system_len=64,

@@ -21,6 +21,11 @@ first):
   (computed once, alone, before the rest arrive), ``hot_clients`` clients keep the
   replicas near capacity, and the replicas share a ray L3: a router that keeps every turn
   where the shared prompt is cached queues them all on one replica.
+* ``burst``: the conversations come in groups of ``burst_siblings``, each group over its
+  own new ``hot_shared_len``-token prompt, and a group's first turns arrive at once (agent
+  forks, a new system prompt); a ray L3.
+* ``reform``: one engine replica's rank 0 is killed after round ``rounds // 2``; the
+  replica keeps its id and re-forms its deployment with empty caches; a ray L3.
 
 Per run: prompt tokens served from cache (``usage.prompt_tokens_details.cached_tokens``,
 and by tier from its ``hicache`` extension), TTFT p50/p90/p99, requests/s, failures, the
@@ -38,7 +43,14 @@ from contextlib import contextmanager
 from functools import partial
 
 from apps.bench.options import RouteOptions
-from apps.bench.route_clients import SERVED, RouteRun, Scenario, converse, restart_one_engine
+from apps.bench.route_clients import (
+    SERVED,
+    RouteRun,
+    Scenario,
+    converse,
+    reform_one_engine,
+    restart_one_engine,
+)
 from apps.bench.serve_http_bench import free_port
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile
@@ -58,6 +70,10 @@ def scenarios(opts: RouteOptions) -> dict[str, Scenario]:
         "hot": Scenario(
             "hot", clients=opts.hot_clients, shared_len=opts.hot_shared_len, storage="ray"
         ),
+        "burst": Scenario(
+            "burst", shared_len=opts.hot_shared_len, burst=opts.burst_siblings, storage="ray"
+        ),
+        "reform": Scenario("reform", reform_after=max(1, opts.rounds // 2), storage="ray"),
     }
     return {name: every[name] for name in opts.scenarios}
 
@@ -78,6 +94,7 @@ def _server(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) 
         "router": router,
         "ingresses": str(scenario.ingresses),
         "served_name": SERVED,
+        "route_weights": opts.route_weights,
     }
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -92,8 +109,12 @@ def _one(opts: RouteOptions, n: int, router: str, scenario: Scenario, vocab: int
     """One fresh app, one scenario's conversations."""
     with embedded_ray(n + scenario.ingresses), _server(opts, n, router, scenario) as url:
         app = f"openai-{os.getpid()}"  # the deployment's name: its index is named after it
-        restart = partial(restart_one_engine, _APP, n)
-        return asyncio.run(converse(url, opts, scenario, app, vocab, restart))
+        disrupt = (
+            partial(restart_one_engine, _APP, n)
+            if scenario.restart_after
+            else partial(reform_one_engine, app)
+        )
+        return asyncio.run(converse(url, opts, scenario, app, vocab, disrupt))
 
 
 def _figures(prefix: str, run: RouteRun) -> list[Figure]:

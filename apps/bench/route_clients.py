@@ -22,7 +22,7 @@ from apps.bench.serve_http_bench import openai_client
 from apps.bench.workload import random_tokens
 from hicache_ray.keys import page_hashes
 
-__all__ = ["RouteRun", "Scenario", "converse", "restart_one_engine"]
+__all__ = ["RouteRun", "Scenario", "converse", "reform_one_engine", "restart_one_engine"]
 
 SERVED = "bench"
 TIERS = ("l1", "l2", "l3")  # usage.prompt_tokens_details.hicache
@@ -33,13 +33,19 @@ class Scenario:
     """One way of running the conversations.
 
     Attributes:
-        name: ``base``, ``ingresses``, ``restart``, ``pressure`` or ``hot``.
+        name: ``base``, ``ingresses``, ``restart``, ``pressure``, ``hot``, ``burst`` or
+            ``reform``.
         conversations: how many (0: the options' number).
         clients: concurrent clients (0: the options' number).
         shared_len: tokens of one system prompt that every conversation starts with (0:
             none); the first conversation's first turn then runs alone, so that prompt is
             on one replica (and in the L3) before the others arrive.
         storage: the replicas' shared L3 (``none`` or ``ray``).
+        burst: with ``shared_len``, the conversations come in groups of ``burst``
+            siblings, each group with its own shared prompt, and a group's first turns
+            arrive at once (one group after another) instead.
+        reform_after: rounds after which one engine replica's rank 0 is killed: the
+            replica keeps its id and re-forms its deployment, caches empty (0: never).
         ingresses: HTTP ingress replicas, each routing with its own router instance.
         restart_after: rounds after which one engine replica is killed and replaced, its
             caches lost (0: never); the clients pause at that round's end, so no turn is
@@ -53,6 +59,8 @@ class Scenario:
     clients: int = 0
     shared_len: int = 0
     storage: str = "none"
+    burst: int = 0
+    reform_after: int = 0
 
 
 @dataclass
@@ -136,8 +144,10 @@ async def converse(
     before round ``restart_after``."""
     run, truth = RouteRun(), _Truth(app, opts.page_size)
     count = scenario.conversations or opts.conversations
-    shared = random_tokens(vocab, scenario.shared_len, 999) if scenario.shared_len else []
-    history = [shared + random_tokens(vocab, opts.system_len, 1000 + c) for c in range(count)]
+    history = [
+        _shared(scenario, vocab, c) + random_tokens(vocab, opts.system_len, 1000 + c)
+        for c in range(count)
+    ]
     async with openai_client(url) as client:
 
         async def turn(round_: int, c: int) -> None:
@@ -154,23 +164,52 @@ async def converse(
             while order:
                 await turn(round_, order.pop())
 
-        cut = scenario.restart_after or opts.rounds
+        cut = scenario.restart_after or scenario.reform_after or opts.rounds
         started = time.perf_counter()
         for round_ in range(opts.rounds):
             if round_ == cut:
                 await asyncio.to_thread(restart)
+            if round_ == 0 and scenario.shared_len and scenario.burst:
+                for first in range(0, count, scenario.burst):  # each group's siblings at once
+                    group = range(first, min(count, first + scenario.burst))
+                    await asyncio.gather(*(turn(round_, c) for c in group))
+                continue
             # NOTE: each round's turns come in a seeded random order, taken by whichever
             # client is free: a fixed rotation (client k, always the same conversations
             # in the same order) locks the load pattern to the conversations, and power
             # of two choices then keeps sending a conversation where it went before.
             order = list(range(count))
             random.Random(round_).shuffle(order)
-            if round_ == 0 and shared:  # the shared prompt reaches one replica first
+            if round_ == 0 and scenario.shared_len:  # the shared prompt reaches one replica
                 await turn(round_, order.pop())
             clients = scenario.clients or opts.clients
             await asyncio.gather(*(client_loop(round_, order) for _ in range(clients)))
         run.wall_s = time.perf_counter() - started
     return run
+
+
+def _shared(scenario: Scenario, vocab: int, c: int) -> list[int]:
+    """The shared prompt conversation ``c`` starts with (its group's, with ``burst``)."""
+    if not scenario.shared_len:
+        return []
+    group = c // scenario.burst if scenario.burst else 0
+    return random_tokens(vocab, scenario.shared_len, 999 - group)
+
+
+def reform_one_engine(app: str) -> None:
+    """Kill rank 0 of one engine replica of Serve application ``app``'s deployments: the
+    replica keeps its id and re-forms its ranks at its next request, caches empty."""
+    prefix = f"hicache-{app}-"
+    ranks = sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == "hicache"
+        and a["name"].startswith(prefix)
+        and a["name"].endswith("-rank0")
+    )
+    if not ranks:
+        raise RuntimeError(f"no rank of {app}'s engine replicas to kill")
+    ray.kill(ray.get_actor(ranks[0], namespace="hicache"), no_restart=True)
 
 
 def _engines() -> list[str]:

@@ -40,3 +40,28 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     except ImportError:
         return
     assert (tmp_path / "route.png").exists()
+
+
+def test_bench_route_quick_runs_the_blind_spot_scenarios(tmp_path: Path, ray_local: None) -> None:
+    """A hot shared prompt, bursts of siblings and a replica re-formed in place, over a ray
+    L3, behind the cache router: every turn answered, every figure written."""
+    out = tmp_path / "route.json"
+    scenarios = "hot,burst,reform"
+    main(
+        [
+            "bench",
+            "route",
+            "--quick",
+            "--scenarios",
+            scenarios,
+            "--routers",
+            "cache",
+            "--json",
+            str(out),
+        ]
+    )
+    by_name = {f.name: f for f in msgspec.json.decode(out.read_bytes(), type=Report).figures}
+    for scenario in scenarios.split(","):
+        assert by_name[f"route.r2.{scenario}.cache.failed"].value == 0
+        assert by_name[f"route.r2.{scenario}.cache.ttft_p90_ms"].value > 0
+        assert 0.5 <= by_name[f"route.r2.{scenario}.cache.busiest_share"].value <= 1
