@@ -41,13 +41,18 @@ class RouteWeights:
         l1: share of a page's prefill that an L1 hit saves.
         l2: share that an L2 hit saves (the page is copied to L1 first).
         l3: share that a hit in the shared L3 saves (read from the store, then to L1).
+
+    The defaults of ``l2`` and ``l3`` are what ``hicache-ray bench runtime`` measured on a
+    2-core CPU machine (``runtime.l2_hit.credit`` 1.005, ``runtime.l3_hit.credit.tp{1,2,4}``
+    0.98, 0.98, 0.97): there a prefill costs seconds and a copy milliseconds. On a GPU
+    the hits save less of a far faster prefill: measure there and set them.
         load: weight of one token of prefill already pending on the replica.
         room: cost of one token the replica caches already, for a new prefix.
     """
 
     l1: float = 1.0
-    l2: float = 0.8
-    l3: float = 0.6
+    l2: float = 1.0
+    l3: float = 0.97
     load: float = 1.0
     room: float = 0.25
 

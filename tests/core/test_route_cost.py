@@ -27,19 +27,20 @@ def test_work_is_the_prefill_left_after_each_tiers_credit() -> None:
 
 def test_replicas_rank_by_work_saved_against_work_pending() -> None:
     hits = {"a": Hits(device=2), "b": Hits(device=1, host=3), "c": Hits()}
-    assert rank_replicas(["a", "b", "c"], hits, {}, 40, PAGE) == ["b", "a", "c"]  # 13.6 > 8
+    weights = RouteWeights(l2=0.8)
+    assert rank_replicas(["a", "b", "c"], hits, {}, 40, PAGE, weights) == ["b", "a", "c"]
     only_l1 = RouteWeights(l2=0.0)
     assert rank_replicas(["a", "b", "c"], hits, {}, 40, PAGE, only_l1) == ["a", "b", "c"]
-    # b saves 13.6 tokens; 6 tokens pending there cost less, 6 more than a's cost more
-    assert rank_replicas(["a", "b"], hits, {"b": 5.0}, 40, PAGE) == ["b", "a"]
-    assert rank_replicas(["a", "b"], hits, {"b": 6.0}, 40, PAGE) == ["a", "b"]
+    # b saves 13.6 tokens, a 8: up to 5.6 tokens pending on b leave it first
+    assert rank_replicas(["a", "b"], hits, {"b": 5.0}, 40, PAGE, weights) == ["b", "a"]
+    assert rank_replicas(["a", "b"], hits, {"b": 6.0}, 40, PAGE, weights) == ["a", "b"]
     assert rank_replicas(["x"], {}, {}, 40, PAGE) is None  # an unknown replica: no information
 
 
 def test_a_hot_prefix_in_the_shared_store_moves_to_an_idle_replica() -> None:
     # a 1,024-token prefix in a's L1, and in the L3 for b: b reads it at l3 = 0.6
     hits = {"a": Hits(device=256), "b": Hits(shared=256)}
-    weights = RouteWeights()
+    weights = RouteWeights(l3=0.6)
     assert rank_replicas(["a", "b"], hits, {"a": 400.0}, 1100, PAGE, weights) == ["a", "b"]
     assert rank_replicas(["a", "b"], hits, {"a": 420.0}, 1100, PAGE, weights) == ["b", "a"]
     # without the L3 the same queue keeps the prefix where it is
