@@ -138,7 +138,7 @@ def _tier_figures(
     for length in sorted(opts.prefix_lengths):
         ttft: dict[str, list[float]] = {t: [] for t in ("l1", "l2", "l3", "miss")}
         overheads: list[float] = []
-        floors: list[float] = []
+        floors: list[float] = []  # the L2 hits' bytes' copy times
         objects = MemoryObjects()
         prefix = random_tokens(model.vocab_size, length, length)
 
@@ -173,8 +173,7 @@ def _tier_figures(
             ttft["l3"].append(results["l3"][-1].ttft_s)
             other.close()
         med = {t: statistics.median(v) for t, v in ttft.items()}
-        # The figure is the longest prefix's: there the floor is largest against TTFT noise.
-        overhead = statistics.median(overheads)
+        overhead = statistics.median(overheads)  # the longest prefix's: the largest floor
         log(
             f"runtime: prefix {length}: TTFT L1 {med['l1'] * 1e3:.1f} ms, L2 "
             f"{med['l2'] * 1e3:.1f} ms, L3 {med['l3'] * 1e3:.1f} ms, recompute "
@@ -185,11 +184,11 @@ def _tier_figures(
             figures.append(
                 figure(f"runtime.ttft_ms.{tier}.{length}", value * 1e3, "ms", better="lower")
             )
-    figures.append(
-        figure("runtime.l2_hit.overhead_vs_floor", overhead, "x", target=1.5, better="lower")
-    )
-    credit = hit_credit(med["l2"], med["l1"], med["miss"])
-    figures.append(figure("runtime.l2_hit.credit", credit, "x"))  # the longest prefix's
+    credit = hit_credit(med["l2"], med["l1"], med["miss"])  # the longest prefix's
+    figures += [
+        figure("runtime.l2_hit.overhead_vs_floor", overhead, "x", target=1.5, better="lower"),
+        figure("runtime.l2_hit.credit", credit, "x"),
+    ]
     return figures + _split_figures(results, log)  # of the longest prefix
 
 
