@@ -142,11 +142,11 @@ class HostPool:
             s, _, _, h, d = self.buffers[0].shape
             pages = self.buffers[0].view(s, kv.num_layers, self.num_pages, kv.page_size, h, d)
             return pages.permute(2, 1, 0, 3, 4, 5)[:, lo:hi, :, :, h_lo:h_hi]
-        ends = [*self.group_starts[1:], kv.num_layers]
-        for buf, start, end in zip(self.buffers, self.group_starts, ends, strict=True):
-            if start <= lo and hi <= end:
-                return buf[:, lo - start : hi - start, :, :, h_lo:h_hi]
-        return None
+        groups = self._groups(lo, hi)
+        if len(groups) != 1:
+            return None
+        buf, start, a, b = groups[0]
+        return buf[:, a - start : b - start, :, :, h_lo:h_hi]
 
     def write_object(
         self,
@@ -191,13 +191,21 @@ class HostPool:
         if self.layout == "layer_first":
             view = self.buffers[0][:, lo:hi, page * p : (page + 1) * p].transpose(0, 1)
             return [(0, view[:, :, :, h_lo:h_hi])]
-        parts = []
-        ends = [*self.group_starts[1:], kv.num_layers]
-        for buf, start, end in zip(self.buffers, self.group_starts, ends, strict=True):
-            a, b = max(lo, start), min(hi, end)
-            if a < b:
-                parts.append((a - lo, buf[page, a - start : b - start, :, :, h_lo:h_hi]))
-        return parts
+        return [
+            (a - lo, buf[page, a - start : b - start, :, :, h_lo:h_hi])
+            for buf, start, a, b in self._groups(lo, hi)
+        ]
+
+    def _groups(self, lo: int, hi: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        """``(buffer, its first layer, a, b)`` of each layer group that layers ``[lo, hi)``
+        overlap (``[a, b)``: the overlap); layer_first pools have no groups."""
+        ends = [*self.group_starts[1:], self.kv.num_layers]
+        spans = zip(self.buffers, self.group_starts, ends, strict=True)
+        return [
+            (buf, st, max(lo, st), min(hi, end))
+            for buf, st, end in spans
+            if max(lo, st) < min(hi, end)
+        ]
 
     def _bounds(
         self, layers: tuple[int, int] | None, heads: tuple[int, int] | None
