@@ -51,6 +51,7 @@ from apps.bench.route_clients import (
     reform_one_engine,
     restart_one_engine,
 )
+from apps.bench.route_cost_bench import router_cost_figures
 from apps.bench.serve_http_bench import free_port
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile
@@ -156,7 +157,8 @@ def run_route_bench(opts: RouteOptions, log: Callable[[str], None] = print) -> l
                     f"{run.misrouted} of {run.judged}, {run.failed} failed"
                 )
                 out += _figures(f"route.r{n}{'' if name == 'base' else '.' + name}.{router}", run)
-    return out + _comparisons(runs, list(scenarios(opts)))
+    cost = router_cost_figures(vocab, opts.page_size, log) if "cache" in opts.routers else []
+    return out + _comparisons(runs, list(scenarios(opts))) + cost
 
 
 def _pooled(runs: dict[tuple[str, str], RouteRun], names: list[str], router: str) -> RouteRun:

@@ -27,6 +27,8 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     assert by_name["route.cache_vs_prefix.hit_tokens"].target == 1.1
     assert by_name["route.cache_vs_pow2.ttft_p50"].target == 0.7
     assert by_name["route.r2.cache.hit_tokens"].value > 0  # later turns found their history
+    cost = by_name["route.router_cost_ms.p99"]  # one decision of the cache router
+    assert cost.target == 2.0 and cost.value >= by_name["route.router_cost_ms.p50"].value > 0
     for router in ("cache", "prefix", "pow2"):  # a replica killed between rounds: no turn cut
         assert by_name[f"route.r2.restart.{router}.failed"].value == 0
         assert by_name[f"route.r2.restart.{router}.requests_per_s"].value > 0

@@ -1,0 +1,74 @@
+"""``bench route``: what one decision of the cache router costs, beside the requests.
+
+The router's own work per call, as :class:`~actors.routing.CacheAwareRouter` does it: hash
+the prompt's pages, ask the application's index actor what each replica holds (a Ray
+call), weigh the work pending, rank. Timed at 4,096-token prompts against an index that
+holds ``held_pages`` pages per replica (every page of half the prompts, so hits are
+found and counted), over ``decisions`` calls: ``route.router_cost_ms.p50`` / ``.p99``
+(target p99 <= 2 ms). The ingress's tokenizer is not counted: the engine needs the
+tokens anyway, and the router reads them from the call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import ray
+
+from apps.bench.workload import random_tokens
+from apps.experiments import embedded_ray
+from apps.report import Figure, figure, percentile
+from hicache_ray.cache.events import AllBlocksCleared, BlockStored, EventBatch, KVEventBatch
+from hicache_ray.keys import page_hashes
+from hicache_ray.serving.route_cost import InFlight, RouteWeights, rank_replicas
+
+__all__ = ["router_cost_figures"]
+
+
+def router_cost_figures(
+    vocab: int,
+    page_size: int,
+    log: Callable[[str], None],
+    *,
+    prompt_len: int = 4096,
+    replicas: int = 2,
+    held_pages: int = 16_384,
+    decisions: int = 200,
+) -> list[Figure]:
+    """The p50 and p99 of one decision, in ms (see the module docstring)."""
+    from actors.routing import index_actor
+
+    names = [f"replica-{i}" for i in range(replicas)]
+    prompts = [random_tokens(vocab, prompt_len, 40_000 + i) for i in range(decisions)]
+    with embedded_ray(1):
+        index = index_actor(f"route-cost-{os.getpid()}")
+        try:
+            for i, name in enumerate(names):  # replica i holds prompts i, i + replicas, ...
+                mine = prompts[i::replicas][: decisions // 2]
+                held = [h for p in mine for h in page_hashes(p, page_size)]
+                filler = [f"{n:064x}" for n in range(max(0, held_pages - len(held)))]
+                stored = BlockStored(held + filler, None, [], page_size, medium="GPU")
+                batch = KVEventBatch(time.time(), [AllBlocksCleared(), stored])
+                ray.get(index.reset.remote(name, EventBatch(name, 1, batch)))
+            times = [_decide(index, names, p, page_size) for p in prompts]
+        finally:
+            ray.kill(index)
+    p50, p99 = percentile(times, 50) * 1e3, percentile(times, 99) * 1e3
+    log(f"route: a cache-router decision at {prompt_len} tokens: p50 {p50:.2f}, p99 {p99:.2f} ms")
+    return [
+        figure("route.router_cost_ms.p50", p50, "ms", better="lower"),
+        figure("route.router_cost_ms.p99", p99, "ms", target=2.0, better="lower"),
+    ]
+
+
+def _decide(index: object, names: list[str], tokens: list[int], page_size: int) -> float:
+    """Seconds one decision takes, the router's steps in its order."""
+    flight = InFlight()
+    start = time.perf_counter()
+    hashes = page_hashes(tokens, page_size)
+    hits, held = ray.get(index.facts.remote(names, hashes))  # type: ignore[attr-defined]
+    pending = flight.pending({name: 1 for name in names}, typical=float(len(tokens)))
+    rank_replicas(names, hits, pending, len(tokens), page_size, RouteWeights(), held)
+    return time.perf_counter() - start
