@@ -7,7 +7,8 @@ engines through a Serve handle whose request router picks the replica:
 
 * ``cache`` (:class:`CacheAwareRouter`): every engine replica publishes its deployment's
   cache events to the application's :class:`IndexActor` (a :class:`~hicache_ray.
-  cache_index.CacheIndex`); the router hashes the call's prompt pages and sends it where
+  cache_index.CacheIndex`), and each router keeps a copy of it (:mod:`hicache_ray.
+  serving.index_feed`); the router hashes the call's prompt pages and sends it where
   its prefill would end first: the prefill each replica's L1, L2 and the shared L3 save
   against the work already pending there (:mod:`hicache_ray.serving.route_cost`); a
   prompt no replica holds a page of goes where the caches have most room. No usable
@@ -39,7 +40,8 @@ from actors.openai_engine import EngineCall, OpenAIEngine
 from hicache_ray.cache.events import EventBatch
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.keys import page_hashes
-from hicache_ray.serving.cache_index import CacheIndex, Hits
+from hicache_ray.serving.cache_index import Hits
+from hicache_ray.serving.index_feed import FeedUpdate, IndexCopy, IndexFeed
 from hicache_ray.serving.openai.text import text_codec
 from hicache_ray.serving.route_cost import InFlight, RouteWeights, rank_replicas, work
 
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 
 PUBLISH_EVERY_S = 0.02  # how often a replica sends its new cache events to the index
 INDEX_WAIT_S = 0.1  # a routing decision waits this long for the index, then goes pow2
+COPY_EVERY_S = 0.02  # how often a router updates its copy of the index
+COPY_FRESH_S = 1.0  # a copy older than this is not read: the router asks the index
 SILENT_S = 30.0  # a replica that has not published for this long is gone from the index
 _NAMESPACE = "hicache"
 
@@ -61,7 +65,8 @@ class IndexActor:
     def __init__(self, app: str = "") -> None:
         from ray.util.metrics import Gauge
 
-        self.index = CacheIndex()
+        self.feed = IndexFeed()
+        self.index = self.feed.index
         self._app = app
         self._seen: dict[str, float] = {}  # replica -> when it last asked its position
         self._pages = Gauge(
@@ -89,22 +94,27 @@ class IndexActor:
         for other, seen in list(self._seen.items()):
             if now - seen > SILENT_S:
                 del self._seen[other]
-                self.index.remove(other)
+                self.feed.remove(other)
         return self.index.position(replica)
 
     def apply(self, replica: str, batches: list[EventBatch]) -> bool:
         """Apply ``replica``'s batches in order; False at the first that does not follow."""
-        applied = all(self.index.apply(replica, b) for b in batches)
+        applied = self.feed.apply(replica, batches)
         self._observe(replica)
         return applied
 
     def reset(self, replica: str, snapshot: EventBatch) -> None:
-        self.index.reset(replica, snapshot)
+        self.feed.reset(replica, snapshot)
         self._observe(replica)
 
     def remove(self, replica: str) -> None:
         self._seen.pop(replica, None)
-        self.index.remove(replica)
+        self.feed.remove(replica)
+
+    def changes(self, epoch: str, seq: int) -> FeedUpdate:
+        """What a router's copy of the index at ``(epoch, seq)`` needs
+        (:meth:`~hicache_ray.serving.index_feed.IndexFeed.changes`)."""
+        return self.feed.changes(epoch, seq)
 
     def hits(self, replicas: list[str], hashes: list[str]) -> dict[str, Hits]:
         return {r: self.index.hits(r, hashes) for r in replicas}
@@ -112,12 +122,9 @@ class IndexActor:
     def facts(
         self, replicas: list[str], hashes: list[str]
     ) -> tuple[dict[str, Hits], dict[str, int]]:
-        """What each replica holds of the prompt, and, when none holds a page of it, how
-        many pages each holds in all (what a new prefix is placed by)."""
-        hits = self.hits(replicas, hashes)
-        if any(h.device or h.host for h in hits.values()):
-            return hits, {}
-        return hits, {r: self.index.held(r) for r in replicas}
+        """:meth:`~hicache_ray.serving.cache_index.CacheIndex.facts` (a router whose copy
+        of the index is not fresh asks this)."""
+        return self.index.facts(replicas, hashes)
 
     def size(self) -> int:
         return self.index.size
@@ -218,6 +225,8 @@ class CacheAwareRouter(RequestRouter):
         self._wait_s = float(kwargs.get("wait_s", INDEX_WAIT_S))
         self._index: Any = None
         self._inflight = InFlight()
+        self._copy, self._copy_at = IndexCopy(), float("-inf")
+        self._follower: asyncio.Task[None] | None = None
 
     async def choose_replicas(
         self,
@@ -260,18 +269,10 @@ class CacheAwareRouter(RequestRouter):
         hashes = page_hashes(tokens, self._page_size, salt=self._salt or None)
         if not hashes:
             return None
-        try:
-            if self._index is None:
-                self._index = index_actor(self._app)
-            ref = self._index.facts.remote(list(by_id), hashes)
-            hits, held = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._wait_s)
-        except ray.exceptions.ActorDiedError as exc:  # its maker went: asked for again
-            log.debug("cache index gone: %s", exc)
-            self._index = None
+        facts = await self._facts(list(by_id), hashes)
+        if facts is None:
             return None
-        except Exception as exc:  # slow this time: power of two choices
-            log.debug("cache index not answering: %s", exc)
-            return None
+        hits, held = facts
         ongoing = {
             rid: self._replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()
         }
@@ -281,6 +282,45 @@ class CacheAwareRouter(RequestRouter):
         if order is None:
             return None
         return [(by_id[r], work(len(tokens), hits.get(r, Hits()), page, weights)) for r in order]
+
+    async def _facts(
+        self, replicas: list[str], hashes: list[str]
+    ) -> tuple[dict[str, Hits], dict[str, int]] | None:
+        """What the replicas hold of the prompt: from this router's copy of the index
+        while it is fresh, else from the index actor; None when neither answers."""
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.get_running_loop().create_task(self._keep_copy())
+        if time.monotonic() - self._copy_at < COPY_FRESH_S:
+            return self._copy.index.facts(replicas, hashes)
+        try:
+            ref = self._index_actor().facts.remote(replicas, hashes)
+            facts = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._wait_s)
+        except Exception as exc:  # gone or slow this time: power of two choices
+            self._lost(exc)
+            return None
+        return facts  # type: ignore[no-any-return]
+
+    async def _keep_copy(self) -> None:
+        """Update this router's copy of the index every ``COPY_EVERY_S``, for good."""
+        while True:
+            try:
+                ref = self._index_actor().changes.remote(self._copy.epoch, self._copy.seq)
+                update = await asyncio.wait_for(asyncio.wrap_future(ref.future()), 10.0)
+                self._copy.update(update)
+                self._copy_at = time.monotonic()
+            except Exception as exc:  # the next round asks again
+                self._lost(exc)
+            await asyncio.sleep(COPY_EVERY_S)
+
+    def _index_actor(self) -> Any:
+        if self._index is None:
+            self._index = index_actor(self._app)
+        return self._index
+
+    def _lost(self, exc: Exception) -> None:
+        if isinstance(exc, ray.exceptions.ActorDiedError):  # its maker went: made again
+            self._index = None
+        log.debug("cache index not answering: %s", exc)
 
 
 # Ray's own prefix router, used as Ray ships it (``ray.serve.llm`` re-exports it, but that

@@ -29,6 +29,7 @@ from hicache_ray.cache.events import (
     BlockStored,
     Event,
     EventBatch,
+    KVEventBatch,
 )
 from hicache_ray.cache.tree import Tier
 
@@ -111,6 +112,34 @@ class CacheIndex:
     def remove(self, replica: str) -> None:
         """Forget ``replica`` (gone from the application)."""
         self._replicas.pop(replica, None)
+
+    def facts(
+        self, replicas: Sequence[str], hashes: Sequence[str]
+    ) -> tuple[dict[str, Hits], dict[str, int]]:
+        """What each of ``replicas`` holds of the prompt, and, when none holds a page of
+        it in L1 or L2, how many pages each holds in all (what a new prefix is placed by)."""
+        hits = {r: self.hits(r, hashes) for r in replicas}
+        if any(h.device or h.host for h in hits.values()):
+            return hits, {}
+        return hits, {r: self.held(r) for r in replicas}
+
+    def export(self, replica: str) -> EventBatch:
+        """What is known of ``replica`` as a snapshot (its journal's position and clock
+        kept): :meth:`reset` with it rebuilds the same."""
+        r = self._replicas.get(replica) or _Replica()
+        events: list[Event] = [AllBlocksCleared()]
+        for medium, pages in r.pages.items():
+            if pages:
+                events.append(BlockStored(sorted(pages), None, [], 0, medium=medium))
+        return EventBatch(r.epoch, r.seq, KVEventBatch(r.ts, events))
+
+    def store_pages(self) -> list[str]:
+        """The shared L3's pages known, oldest first."""
+        return list(self._store)
+
+    def add_store(self, pages: Sequence[str]) -> None:
+        """Pages now in the shared L3 (newest last)."""
+        self._play_store(BlockStored(list(pages), None, [], 0, medium=STORE_MEDIUM))
 
     def held(self, replica: str) -> int:
         """Pages ``replica`` holds in L1 or L2."""
