@@ -36,6 +36,7 @@ __all__ = [
     "percentile",
     "split_figures",
     "time_into",
+    "hit_credit",
 ]
 
 
@@ -173,3 +174,10 @@ def time_into(fn: Callable[[], object], samples: list[float]) -> None:
     start = time.perf_counter()
     fn()
     samples.append(time.perf_counter() - start)
+
+
+def hit_credit(hit: float, l1: float, miss: float) -> float:
+    """The share of the prefill an L1 hit saves that a hit from another tier saves (TTFTs
+    of the same prompt: ``1 - (hit - l1) / (miss - l1)``), the cache router's credit for
+    that tier (:class:`~hicache_ray.serving.route_cost.RouteWeights`)."""
+    return 1.0 - (hit - l1) / (miss - l1) if miss > l1 else 0.0

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from apps.bench.workload import random_tokens
-from apps.report import Figure, figure, percentile, split_figures
+from apps.report import Figure, figure, hit_credit, percentile, split_figures
 from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, WriteConfig
 from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.cache.tree import SILENT
@@ -37,14 +37,7 @@ from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.storage import MemoryObjects
 
-__all__ = ["RuntimeBenchOptions", "hit_credit", "run_runtime_bench"]
-
-
-def hit_credit(hit: float, l1: float, miss: float) -> float:
-    """The share of the prefill an L1 hit saves that a hit from another tier saves (TTFTs
-    of the same prompt: ``1 - (hit - l1) / (miss - l1)``), the cache router's credit for
-    that tier (:class:`~hicache_ray.serving.route_cost.RouteWeights`)."""
-    return 1.0 - (hit - l1) / (miss - l1) if miss > l1 else 0.0
+__all__ = ["RuntimeBenchOptions", "run_runtime_bench"]
 
 
 @dataclass(frozen=True)

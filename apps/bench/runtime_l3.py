@@ -27,11 +27,10 @@ import xxhash
 from actors.deployment import Deployment
 from actors.ray_store import RayObjects
 from actors.stores import drop_store
-from apps.bench.runtime import hit_credit
 from apps.bench.runtime_guard import guard_figures
 from apps.bench.workload import random_tokens
 from apps.experiments import shared_storage
-from apps.report import Figure, figure, split_figures
+from apps.report import Figure, figure, hit_credit, split_figures
 from hicache_ray.base.config import CacheConfig, MemoryConfig
 from hicache_ray.base.layout import Shard, ShardKV
 from hicache_ray.base.storage_config import RayStorageOptions
