@@ -110,7 +110,9 @@ def test_requests_that_do_not_fit_wait_in_order_and_all_succeed() -> None:
     for r in requests:
         assert results[r.rid].output_tokens[:16] == reference(r.tokens)[1]
     waits = [results[f"q{i}"].queue_s for i in range(8)]
-    assert waits[2] > waits[1] and waits[-1] == max(waits)  # FIFO: the later, the longer
+    # FIFO: two at a time, so each pair waits longer than every pair before it (the two of
+    # a pair start in the same step: which of them waited longer is microseconds' noise)
+    assert waits[2] > waits[1] and min(waits[-2:]) > max(waits[:-2])
 
 
 def test_past_the_queue_bound_requests_are_refused_as_overloaded() -> None:
