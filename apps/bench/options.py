@@ -12,7 +12,17 @@ from hicache_ray.serving.serve_options import ROUTERS
 __all__ = ["FAULT_SCENARIOS", "ROUTE_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
 
 # The scenarios of ``bench route`` (apps.bench.route_bench runs them).
-ROUTE_SCENARIOS = ("base", "ingresses", "restart", "pressure", "hot", "burst", "reform")
+ROUTE_SCENARIOS = (
+    "base",
+    "ingresses",
+    "restart",
+    "pressure",
+    "tiers",
+    "hot",
+    "burst",
+    "reform",
+    "trace",
+)
 
 # The scenarios of ``bench faults`` (apps.bench.faults_bench runs them).
 FAULT_SCENARIOS = (
@@ -73,6 +83,17 @@ class SoakOptions:
     seed: int = field(default=0, metadata=flag("seed", "seed of the load and faults", type=int))
 
 
+def _replica_counts(text: str) -> tuple[int, ...]:
+    """Comma-separated replica counts, each 2 to 8 (argparse's type check)."""
+    try:
+        counts = tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        counts = ()
+    if not counts or any(not 2 <= n <= 8 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give replica counts 2 to 8, as 2,3")
+    return counts
+
+
 def _route_weights(text: str) -> str:
     """``text`` if the cache router takes it as its weights (argparse's type check)."""
     from hicache_ray.base.errors import ConfigError
@@ -102,7 +123,12 @@ class RouteOptions:
         default=ROUTE_SCENARIOS,
         metadata=flag("scenarios", "a subset, A,B", type=csv_of(ROUTE_SCENARIOS), metavar="A,B"),
     )
-    replicas: tuple[int, ...] = (2, 3)
+    replicas: tuple[int, ...] = field(
+        default=(2, 3),
+        metadata=flag(
+            "replicas", "replica counts, each scenario at each", type=_replica_counts, metavar="2,3"
+        ),
+    )
     model: str = field(
         default="bench", metadata=flag("model", "reference model preset", choices=MODEL_PRESETS)
     )
@@ -117,6 +143,12 @@ class RouteOptions:
     hot_shared_len: int = 1024  # the hot scenario's system prompt, the same for every one
     hot_clients: int = 6  # the hot scenario's clients: load near the cluster's capacity
     burst_siblings: int = 6  # the burst scenario's siblings per new shared prompt
+    trace_requests: int = field(
+        default=200,
+        metadata=flag(
+            "trace-requests", "the trace scenario: the trace's first N requests", type=positive_int
+        ),
+    )
     system_len: int = 384  # the first turn's prompt, unique per conversation
     user_len: int = 32
     answer_len: int = 8
@@ -144,6 +176,7 @@ class RouteOptions:
             hot_shared_len=64,
             hot_clients=3,
             burst_siblings=3,
+            trace_requests=24,
             clients=3,
             rounds=2,
             system_len=64,

@@ -1,14 +1,12 @@
 """``hicache-ray bench route``: N replicas behind each router, the same conversations.
 
-For each scenario, replica count and router, a fresh ``hicache-ray serve --replicas N
---router R`` app on 127.0.0.1 (TP=1 replicas, no L3 but in ``hot``: there the replicas
-share a ray L3, and the question is whether a router uses it to spread a hot prefix's
-load) gets the same multi-turn
+For each replica count, scenario and router, a fresh ``hicache-ray serve --replicas N
+--router R`` app on 127.0.0.1 (TP=1 replicas; a shared ray L3 in ``tiers``, ``hot``,
+``burst``, ``reform`` and ``trace``, none in the others) gets the same multi-turn
 conversations, closed loop, each round's turns in the same seeded random order
-(:mod:`apps.bench.route_clients`). Every conversation starts
-with its own ``system_len`` tokens, so the working set exceeds one replica's L1 + L2 but
-not the cluster's. The scenarios (``base`` at every replica count, the others at the
-first):
+(:mod:`apps.bench.route_clients`). Every conversation starts with its own ``system_len``
+tokens, so the working set exceeds one replica's L1 + L2 but not the cluster's. The
+scenarios, each at every replica count:
 
 * ``base``: the conversations through one ingress.
 * ``ingresses``: through two ingress replicas, each with its own router instance (as two
@@ -17,6 +15,9 @@ first):
   Serve with empty caches.
 * ``pressure``: ``pressure_conversations`` conversations, a working set close to the
   cluster's L1 + L2: evictions everywhere.
+* ``tiers``: the base conversations with ``hot_clients`` clients over a ray L3: the
+  working set (6,432 tokens by default) exceeds the cluster's L1 (4,096) and fits its
+  L1 + L2 (8,192), so many hits come from L2, and a router has to weigh them against load.
 * ``hot``: every conversation starts with one ``hot_shared_len``-token system prompt
   (computed once, alone, before the rest arrive), ``hot_clients`` clients keep the
   replicas near capacity, and the replicas share a ray L3: a router that keeps every turn
@@ -26,12 +27,15 @@ first):
   forks, a new system prompt); a ray L3.
 * ``reform``: one engine replica's rank 0 is killed after round ``rounds // 2``; the
   replica keeps its id and re-forms its deployment with empty caches; a ray L3.
+* ``trace``: the shipped conversation trace's first ``trace_requests`` requests
+  (:mod:`apps.bench.route_trace`), ``hot_clients`` in flight in trace order; a ray L3.
 
 Per run: prompt tokens served from cache (``usage.prompt_tokens_details.cached_tokens``,
 and by tier from its ``hicache`` extension), TTFT p50/p90/p99, requests/s, failures, the
-share of turns sent to a replica holding less of their prefix than the best one did, and
-the busiest replica's share of the turns (the ``hicache`` extension names the replica). The
-comparisons (``route.cache_vs_*``) add up every scenario at the first replica count.
+share of turns sent to a replica holding less of their prefix than the best one did, the
+busiest replica's share of the turns (the ``hicache`` extension names the replica), and
+behind Ray's prefix router its tree's size at the end. The comparisons
+(``route.cache_vs_*``) add up every scenario at one replica count.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from apps.bench.route_clients import (
     restart_one_engine,
 )
 from apps.bench.route_cost_bench import router_cost_figures
+from apps.bench.route_trace import prefix_tree_chars, replay_trace, trace_l1
 from apps.bench.serve_http_bench import free_port
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile
@@ -68,6 +73,7 @@ def scenarios(opts: RouteOptions) -> dict[str, Scenario]:
         "ingresses": Scenario("ingresses", ingresses=2),
         "restart": Scenario("restart", restart_after=max(1, opts.rounds // 2)),
         "pressure": Scenario("pressure", conversations=opts.pressure_conversations),
+        "tiers": Scenario("tiers", clients=opts.hot_clients, storage="ray"),
         "hot": Scenario(
             "hot", clients=opts.hot_clients, shared_len=opts.hot_shared_len, storage="ray"
         ),
@@ -76,6 +82,14 @@ def scenarios(opts: RouteOptions) -> dict[str, Scenario]:
         ),
         "reform": Scenario("reform", reform_after=max(1, opts.rounds // 2), storage="ray"),
     }
+    if "trace" in opts.scenarios:
+        every["trace"] = Scenario(
+            "trace",
+            clients=opts.hot_clients,
+            storage="ray",
+            trace=opts.trace_requests,
+            device_tokens=trace_l1(opts),
+        )
     return {name: every[name] for name in opts.scenarios}
 
 
@@ -89,7 +103,7 @@ def _server(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) 
     args = {
         "model": opts.model,
         "storage": scenario.storage,
-        "device_tokens": str(opts.device_tokens),
+        "device_tokens": str(scenario.device_tokens or opts.device_tokens),
         "page_size": str(opts.page_size),
         "replicas": str(replicas),
         "router": router,
@@ -115,7 +129,13 @@ def _one(opts: RouteOptions, n: int, router: str, scenario: Scenario, vocab: int
             if scenario.restart_after
             else partial(reform_one_engine, app)
         )
-        return asyncio.run(converse(url, opts, scenario, app, vocab, disrupt))
+        if scenario.trace:
+            run = asyncio.run(replay_trace(url, opts, scenario, app, vocab))
+        else:
+            run = asyncio.run(converse(url, opts, scenario, app, vocab, disrupt))
+        if router == "prefix":
+            run.tree_chars = prefix_tree_chars(_APP)
+        return run
 
 
 def _figures(prefix: str, run: RouteRun) -> list[Figure]:
@@ -134,6 +154,11 @@ def _figures(prefix: str, run: RouteRun) -> list[Figure]:
         figure(f"{prefix}.ttft_p99_ms", percentile(run.ttft_s, 99) * 1e3, "ms", better="lower"),
         figure(f"{prefix}.requests_per_s", rate, "1/s"),
         figure(f"{prefix}.failed", float(run.failed), "requests", better="lower"),
+        *(
+            [figure(f"{prefix}.tree_chars", float(run.tree_chars), "chars", better="lower")]
+            if run.tree_chars is not None
+            else []
+        ),
     ]
 
 
@@ -143,13 +168,11 @@ def run_route_bench(opts: RouteOptions, log: Callable[[str], None] = print) -> l
 
     vocab = preset(opts.model).vocab_size
     out: list[Figure] = []
-    runs: dict[tuple[str, str], RouteRun] = {}  # (scenario, router) at the first count
-    for name, scenario in scenarios(opts).items():
-        for n in opts.replicas if name == "base" else opts.replicas[:1]:
+    for n in opts.replicas:
+        runs: dict[tuple[str, str], RouteRun] = {}  # (scenario, router) at this count
+        for name, scenario in scenarios(opts).items():
             for router in opts.routers:
-                run = _one(opts, n, router, scenario, vocab)
-                if n == opts.replicas[0]:
-                    runs[name, router] = run
+                run = runs[name, router] = _one(opts, n, router, scenario, vocab)
                 log(
                     f"route: {name}, {n} replicas, {router}: {run.cached_tokens} of "
                     f"{run.prompt_tokens} prompt tokens cached, TTFT p50 "
@@ -157,8 +180,11 @@ def run_route_bench(opts: RouteOptions, log: Callable[[str], None] = print) -> l
                     f"{run.misrouted} of {run.judged}, {run.failed} failed"
                 )
                 out += _figures(f"route.r{n}{'' if name == 'base' else '.' + name}.{router}", run)
+        # NOTE: the first count's comparisons carry the targets and keep their old names.
+        label = "" if n == opts.replicas[0] else f".r{n}"
+        out += _comparisons(runs, list(scenarios(opts)), label)
     cost = router_cost_figures(vocab, opts.page_size, log) if "cache" in opts.routers else []
-    return out + _comparisons(runs, list(scenarios(opts))) + cost
+    return out + cost
 
 
 def _pooled(runs: dict[tuple[str, str], RouteRun], names: list[str], router: str) -> RouteRun:
@@ -173,14 +199,19 @@ def _pooled(runs: dict[tuple[str, str], RouteRun], names: list[str], router: str
     return pooled
 
 
-def _comparisons(runs: dict[tuple[str, str], RouteRun], names: list[str]) -> list[Figure]:
+def _comparisons(
+    runs: dict[tuple[str, str], RouteRun], names: list[str], count: str
+) -> list[Figure]:
+    """The comparisons of one replica count's runs (``count``: ``""`` at the first count,
+    where the targets are, else ``.r<N>``)."""
     failed = float(sum(r.failed for r in runs.values()))
-    out = [figure("route.failed_requests", failed, "requests", target=0, better="lower")]
+    out = [figure(f"route{count}.failed_requests", failed, "requests", target=0, better="lower")]
     routers = {router for _, router in runs}
-    for label, among in [("", names)] + [(f".{name}", [name]) for name in names]:
+    for scope, among in [("", names)] + [(f".{name}", [name]) for name in names]:
         if "cache" not in routers:
             break
-        headline = not label  # the targets are on the figures over every scenario
+        headline = not scope and not count  # the targets: every scenario, first count
+        label = count + scope
         cache = _pooled(runs, among, "cache")
         for other, goal in (("pow2", 1.5), ("prefix", 1.1)):
             if other in routers:
@@ -188,12 +219,16 @@ def _comparisons(runs: dict[tuple[str, str], RouteRun], names: list[str]) -> lis
                 ratio = cache.cached_tokens / max(1, base.cached_tokens)
                 name = f"route{label}.cache_vs_{other}.hit_tokens"
                 out.append(figure(name, ratio, "x", target=goal if headline else None))
-        out += _ttft_ratios(runs, among, label, routers)
+        out += _ttft_ratios(runs, among, label, routers, headline)
     return out
 
 
 def _ttft_ratios(
-    runs: dict[tuple[str, str], RouteRun], among: list[str], label: str, routers: set[str]
+    runs: dict[tuple[str, str], RouteRun],
+    among: list[str],
+    label: str,
+    routers: set[str],
+    headline: bool,
 ) -> list[Figure]:
     """The cache router's TTFT over the others' (p50 against pow2 over every scenario, with
     its target; p90 against both per scenario, the blind spots' figure)."""
@@ -203,7 +238,7 @@ def _ttft_ratios(
         if not (cache.ttft_s and base.ttft_s):
             continue
         for p in (50, 90):
-            goal = 0.7 if not label and other == "pow2" and p == 50 else None
+            goal = 0.7 if headline and other == "pow2" and p == 50 else None
             ratio = percentile(cache.ttft_s, p) / percentile(base.ttft_s, p)
             name = f"route{label}.cache_vs_{other}.ttft_p{p}"
             out.append(figure(name, ratio, "x", target=goal, better="lower"))

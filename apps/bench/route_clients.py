@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,15 @@ from apps.bench.serve_http_bench import openai_client
 from apps.bench.workload import random_tokens
 from hicache_ray.keys import page_hashes
 
-__all__ = ["RouteRun", "Scenario", "converse", "reform_one_engine", "restart_one_engine"]
+__all__ = [
+    "RouteRun",
+    "Scenario",
+    "Truth",
+    "converse",
+    "reform_one_engine",
+    "restart_one_engine",
+    "send_turn",
+]
 
 SERVED = "bench"
 TIERS = ("l1", "l2", "l3")  # usage.prompt_tokens_details.hicache
@@ -33,8 +42,8 @@ class Scenario:
     """One way of running the conversations.
 
     Attributes:
-        name: ``base``, ``ingresses``, ``restart``, ``pressure``, ``hot``, ``burst`` or
-            ``reform``.
+        name: ``base``, ``ingresses``, ``restart``, ``pressure``, ``tiers``, ``hot``,
+            ``burst``, ``reform`` or ``trace``.
         conversations: how many (0: the options' number).
         clients: concurrent clients (0: the options' number).
         shared_len: tokens of one system prompt that every conversation starts with (0:
@@ -50,6 +59,8 @@ class Scenario:
         restart_after: rounds after which one engine replica is killed and replaced, its
             caches lost (0: never); the clients pause at that round's end, so no turn is
             cut.
+        trace: the trace's first ``trace`` requests instead of conversations (0: none).
+        device_tokens: L1 tokens per replica (0: the options' number).
     """
 
     name: str
@@ -61,6 +72,8 @@ class Scenario:
     storage: str = "none"
     burst: int = 0
     reform_after: int = 0
+    trace: int = 0
+    device_tokens: int = 0
 
 
 @dataclass
@@ -76,9 +89,10 @@ class RouteRun:
     misrouted: int = 0  # of those, turns served less of their prefix than the best held
     served_by: dict[str, int] = field(default_factory=dict)  # turns per engine replica
     wall_s: float = 0.0
+    tree_chars: int | None = None  # Ray's prefix router: its tree's text at the end
 
 
-class _Truth:
+class Truth:
     """The index's answer to: how many leading prompt tokens does the best replica hold?"""
 
     def __init__(self, app: str, page_size: int) -> None:
@@ -100,7 +114,7 @@ class _Truth:
         return min(pages * self._page_size, (len(prompt) - 1) // self._page_size * self._page_size)
 
 
-async def _turn(
+async def send_turn(
     client: Any, prompt: list[int], max_new: int, run: RouteRun
 ) -> tuple[int, list[int]]:
     """One streamed turn: the L1 + L2 tokens it was served from cache and its answer's
@@ -129,7 +143,8 @@ async def _turn(
                 served = int(tiers.get("l1", 0)) + int(tiers.get("l2", 0))
                 replica = str(tiers.get("replica", ""))
                 run.served_by[replica] = run.served_by.get(replica, 0) + 1
-    except Exception:
+    except Exception as e:  # a failed turn is counted, never raised: the run goes on
+        print(f"route: a turn of {len(prompt)} tokens failed: {e}", file=sys.stderr)
         run.failed += 1
         return 0, []
     run.ttft_s.append(ttft if ttft is not None else time.perf_counter() - start)
@@ -142,7 +157,7 @@ async def converse(
     """Every conversation of ``scenario``, a turn each per round, ``opts.clients`` at a
     time in a seeded random order; ``restart()`` (a blocking call, run off the event loop)
     before round ``restart_after``."""
-    run, truth = RouteRun(), _Truth(app, opts.page_size)
+    run, truth = RouteRun(), Truth(app, opts.page_size)
     count = scenario.conversations or opts.conversations
     history = [
         _shared(scenario, vocab, c) + random_tokens(vocab, opts.system_len, 1000 + c)
@@ -154,7 +169,7 @@ async def converse(
             user = random_tokens(vocab, opts.user_len, 10_000 * (round_ + 1) + c)
             prompt = history[c] + user
             best = await truth.best(prompt)
-            served, answer = await _turn(client, prompt, opts.answer_len, run)
+            served, answer = await send_turn(client, prompt, opts.answer_len, run)
             history[c] = prompt + answer
             if best is not None and answer:
                 run.judged += 1

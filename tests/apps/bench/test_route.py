@@ -4,10 +4,17 @@ is for the full benchmark to say, not a smoke test)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import msgspec
+import pytest
 
+from apps.bench.options import RouteOptions, _replica_counts
+from apps.bench.route_bench import _comparisons, scenarios
+from apps.bench.route_clients import RouteRun
+from apps.bench.route_trace import trace_l1
+from apps.bench.trace_data import DEFAULT_TRACE, load_trace, scale
 from apps.cli import main
 from apps.report import Report
 
@@ -27,6 +34,8 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
     assert by_name["route.cache_vs_prefix.hit_tokens"].target == 1.1
     assert by_name["route.cache_vs_pow2.ttft_p50"].target == 0.7
     assert by_name["route.r2.cache.hit_tokens"].value > 0  # later turns found their history
+    assert by_name["route.r2.prefix.tree_chars"].value > 0  # Ray's router's tree, read back
+    assert "route.r2.cache.tree_chars" not in by_name
     cost = by_name["route.router_cost_ms.p99"]  # one decision of the cache router
     assert cost.target == 2.0 and cost.value >= by_name["route.router_cost_ms.p50"].value > 0
     for router in ("cache", "prefix", "pow2"):  # a replica killed between rounds: no turn cut
@@ -45,10 +54,11 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
 
 
 def test_bench_route_quick_runs_the_blind_spot_scenarios(tmp_path: Path, ray_local: None) -> None:
-    """A hot shared prompt, bursts of siblings and a replica re-formed in place, over a ray
-    L3, behind the cache router: every turn answered, every figure written."""
+    """A working set past the cluster's L1, a hot shared prompt, bursts of siblings, a
+    replica re-formed in place and the trace, over a ray L3, behind the cache router: every
+    turn answered, every figure written."""
     out = tmp_path / "route.json"
-    scenarios = "hot,burst,reform"
+    scenarios = "tiers,hot,burst,reform,trace"
     main(
         [
             "bench",
@@ -67,3 +77,36 @@ def test_bench_route_quick_runs_the_blind_spot_scenarios(tmp_path: Path, ray_loc
         assert by_name[f"route.r2.{scenario}.cache.failed"].value == 0
         assert by_name[f"route.r2.{scenario}.cache.ttft_p90_ms"].value > 0
         assert 0.5 <= by_name[f"route.r2.{scenario}.cache.busiest_share"].value <= 1
+
+
+def test_route_options_refuse_bad_replica_counts() -> None:
+    assert _replica_counts("2, 3") == (2, 3)
+    for bad in ("", "1", "2,x", "9"):
+        with pytest.raises(argparse.ArgumentTypeError, match="replica counts"):
+            _replica_counts(bad)
+
+
+def test_the_trace_scenario_holds_two_of_its_longest_request() -> None:
+    opts = RouteOptions.quick_options()
+    requests = scale(load_trace(DEFAULT_TRACE, opts.trace_requests), opts.page_size, 2)
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    assert trace_l1(opts) % opts.page_size == 0 and 2 * longest <= trace_l1(opts)
+    assert trace_l1(opts) < 2 * longest + opts.page_size
+    assert "trace" not in scenarios(opts)  # not asked for: the trace is not read
+    wide = RouteOptions(scenarios=("trace",), device_tokens=1 << 20)
+    assert scenarios(wide)["trace"].device_tokens == 1 << 20  # never lowered
+
+
+def test_comparisons_name_the_replica_count_past_the_first() -> None:
+    def run(cached: int, ttft: float) -> RouteRun:
+        return RouteRun(ttft_s=[ttft] * 4, cached_tokens=cached)
+
+    runs = {("hot", "cache"): run(300, 1.0), ("hot", "pow2"): run(100, 2.0)}
+    first = {f.name: f for f in _comparisons(runs, ["hot"], "")}
+    later = {f.name: f for f in _comparisons(runs, ["hot"], ".r3")}
+    assert first["route.cache_vs_pow2.hit_tokens"].value == 3.0
+    assert first["route.cache_vs_pow2.hit_tokens"].target == 1.5
+    assert first["route.hot.cache_vs_pow2.ttft_p90"].value == 0.5
+    assert later["route.r3.cache_vs_pow2.hit_tokens"].target is None  # targets: first count
+    assert later["route.r3.hot.cache_vs_pow2.ttft_p50"].value == 0.5
+    assert "route.r3.failed_requests" in later
