@@ -11,7 +11,9 @@ engines through a Serve handle whose request router picks the replica:
   serving.index_feed`); the router hashes the call's prompt pages and sends it where
   its prefill would end first: the prefill each replica's L1, L2 and the shared L3 save
   against the work already pending there (:mod:`hicache_ray.serving.route_cost`); a
-  prompt no replica holds a page of goes where the caches have most room. No usable
+  prompt no replica holds a page of goes where the caches have most room; one whose
+  pages a call in flight is computing waits for them when that ends its prefill first
+  (siblings of a new prefix). No usable
   information (caches and loads alike, the index not answering in time): power of two
   choices. A replica that is down is no candidate, and
   one at capacity is skipped by Serve's probe, whatever it holds.
@@ -43,7 +45,7 @@ from hicache_ray.keys import page_hashes
 from hicache_ray.serving.cache_index import Hits
 from hicache_ray.serving.index_feed import FeedUpdate, IndexCopy, IndexFeed
 from hicache_ray.serving.openai.text import text_codec
-from hicache_ray.serving.route_cost import InFlight, RouteWeights, rank_replicas, work
+from hicache_ray.serving.route_cost import InFlight, RouteWeights, hold, rank_replicas, work
 
 __all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
 
@@ -210,8 +212,9 @@ class CacheAwareRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """``app`` (the index's name), ``page_size``, ``salt`` (the L3 keys' tenant salt),
-        the :class:`RouteWeights` ``l1``, ``l2``, ``l3``, ``load``, ``room``, and ``wait_s``:
-        how long a decision waits for the index before it routes by power of two choices."""
+        the :class:`RouteWeights` ``l1``, ``l2``, ``l3``, ``load``, ``room``, ``hold_s``, and
+        ``wait_s``: how long a decision waits for the index before it routes by power of
+        two choices."""
         self._app = str(kwargs.get("app", ""))
         self._page_size = int(kwargs.get("page_size", 0))
         self._salt = str(kwargs.get("salt", ""))
@@ -219,9 +222,10 @@ class CacheAwareRouter(RequestRouter):
         self._weights = RouteWeights(
             **{
                 name: float(kwargs.get(name, getattr(defaults, name)))
-                for name in ("l1", "l2", "l3", "load", "room")
+                for name in ("l1", "l2", "l3", "load", "room", "hold_s")
             }
         )
+        self._holding = 0  # calls waiting for a sibling's pages
         self._wait_s = float(kwargs.get("wait_s", INDEX_WAIT_S))
         self._index: Any = None
         self._inflight = InFlight()
@@ -237,15 +241,40 @@ class CacheAwareRouter(RequestRouter):
         request = getattr(call, "request", None)
         tokens = getattr(request, "tokens", None)
         if len(candidate_replicas) > 1 and tokens and self._page_size:
-            ranked = await self._ranked(candidate_replicas, tokens)
+            hashes = page_hashes(tokens, self._page_size, salt=self._salt or None)
+            ranked = await self._held(candidate_replicas, len(tokens), hashes)
             if ranked is not None:
                 best, cost = ranked[0]
                 if pending_request is not None:
                     request_id = pending_request.metadata.internal_request_id
-                    self._inflight.sent(request_id, best.replica_id.unique_id, cost)
+                    self._inflight.sent(request_id, best.replica_id.unique_id, cost, hashes)
                 order = [replica for replica, _ in ranked]
                 return [[best], order[1:]] if len(order) > 1 else [order]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    @property
+    def max_num_routing_tasks(self) -> int:
+        # a call waiting for a sibling's pages keeps its routing task: the others get theirs
+        return min(
+            self.max_num_routing_tasks_cap, 2 * len(self._replicas) + getattr(self, "_holding", 0)
+        )
+
+    async def _held(
+        self, candidates: list[RunningReplica], n: int, hashes: list[str]
+    ) -> list[tuple[RunningReplica, float]] | None:
+        """:meth:`_ranked`, after waiting (up to ``hold_s``) while a call in flight is
+        computing pages of this prompt and waiting for them ends its prefill first."""
+        deadline, held = time.monotonic() + self._weights.hold_s, 0
+        try:
+            while True:
+                ranked, waits = await self._ranked(candidates, n, hashes)
+                if not waits or time.monotonic() >= deadline:
+                    return ranked
+                self._holding += 1 - held
+                held = 1
+                await asyncio.sleep(COPY_EVERY_S)
+        finally:
+            self._holding -= held
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -261,27 +290,27 @@ class CacheAwareRouter(RequestRouter):
         self._inflight.forget(replica_id.unique_id)
 
     async def _ranked(
-        self, candidates: list[RunningReplica], tokens: list[int]
-    ) -> list[tuple[RunningReplica, float]] | None:
-        """The candidates best first, each with the call's work there; None: no usable
-        information."""
+        self, candidates: list[RunningReplica], n: int, hashes: list[str]
+    ) -> tuple[list[tuple[RunningReplica, float]] | None, bool]:
+        """The candidates best first, each with the work of the call (``n`` tokens, page
+        ``hashes``) there (None: no usable information), and whether to wait instead."""
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        hashes = page_hashes(tokens, self._page_size, salt=self._salt or None)
-        if not hashes:
-            return None
-        facts = await self._facts(list(by_id), hashes)
+        facts = await self._facts(list(by_id), hashes) if hashes else None
         if facts is None:
-            return None
+            return None, False
         hits, held = facts
         ongoing = {
             rid: self._replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()
         }
-        pending = self._inflight.pending(ongoing, typical=float(len(tokens)))
+        pending = self._inflight.pending(ongoing, typical=float(n))
         page, weights = self._page_size, self._weights
-        order = rank_replicas(list(by_id), hits, pending, len(tokens), page, weights, held)
+        leaders = self._inflight.leaders(hashes)
+        if hold(list(by_id), hits, pending, n, page, weights, leaders):
+            return None, True
+        order = rank_replicas(list(by_id), hits, pending, n, page, weights, held)
         if order is None:
-            return None
-        return [(by_id[r], work(len(tokens), hits.get(r, Hits()), page, weights)) for r in order]
+            return None, False
+        return [(by_id[r], work(n, hits.get(r, Hits()), page, weights)) for r in order], False
 
     async def _facts(
         self, replicas: list[str], hashes: list[str]

@@ -163,6 +163,15 @@ class RouteOptions:
             metavar="l1=1,...",
         ),
     )
+    turn_log: str = field(
+        default="",
+        metadata=flag(
+            "turn-log",
+            "write every turn (scenario, router, start, TTFT, replica, tokens per tier) "
+            "to this JSON Lines file",
+            metavar="PATH",
+        ),
+    )
     quick: bool = False
 
     @classmethod

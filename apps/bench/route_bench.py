@@ -41,10 +41,12 @@ behind Ray's prefix router its tree's size at the end. The comparisons
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 from apps.bench.options import RouteOptions
 from apps.bench.route_clients import (
@@ -180,11 +182,22 @@ def run_route_bench(opts: RouteOptions, log: Callable[[str], None] = print) -> l
                     f"{run.misrouted} of {run.judged}, {run.failed} failed"
                 )
                 out += _figures(f"route.r{n}{'' if name == 'base' else '.' + name}.{router}", run)
+                if opts.turn_log:
+                    _log_turns(
+                        opts.turn_log, {"scenario": name, "router": router, "replicas": n}, run
+                    )
         # NOTE: the first count's comparisons carry the targets and keep their old names.
         label = "" if n == opts.replicas[0] else f".r{n}"
         out += _comparisons(runs, list(scenarios(opts)), label)
     cost = router_cost_figures(vocab, opts.page_size, log) if "cache" in opts.routers else []
     return out + cost
+
+
+def _log_turns(path: str, where: dict[str, Any], run: RouteRun) -> None:
+    """Append ``run``'s turns to the JSON Lines file ``path``, each with ``where``."""
+    with open(path, "a", encoding="utf-8") as out:
+        for turn in run.turns:
+            out.write(json.dumps({**where, **turn}) + "\n")
 
 
 def _pooled(runs: dict[tuple[str, str], RouteRun], names: list[str], router: str) -> RouteRun:

@@ -90,6 +90,8 @@ class RouteRun:
     served_by: dict[str, int] = field(default_factory=dict)  # turns per engine replica
     wall_s: float = 0.0
     tree_chars: int | None = None  # Ray's prefix router: its tree's text at the end
+    turns: list[dict[str, Any]] = field(default_factory=list)  # one record per turn
+    started: float = field(default_factory=time.perf_counter)
 
 
 class Truth:
@@ -120,6 +122,7 @@ async def send_turn(
     """One streamed turn: the L1 + L2 tokens it was served from cache and its answer's
     token ids (empty when it failed)."""
     text, start, ttft, served = "", time.perf_counter(), None, 0
+    replica, tiers = "", dict[str, Any]()
     try:
         stream = await client.completions.create(
             model=SERVED,
@@ -148,6 +151,15 @@ async def send_turn(
         run.failed += 1
         return 0, []
     run.ttft_s.append(ttft if ttft is not None else time.perf_counter() - start)
+    run.turns.append(
+        {
+            "start_s": round(start - run.started, 3),
+            "prompt_tokens": len(prompt),
+            "ttft_s": round(run.ttft_s[-1], 4),
+            "replica": replica,
+            **{t: int(tiers.get(t, 0)) for t in TIERS},
+        }
+    )
     return served, [int(t) for t in text.split()]
 
 

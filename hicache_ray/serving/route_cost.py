@@ -20,17 +20,30 @@ held(r) + load * pending(r))`` (``held``: the pages ``r`` caches in all), so new
 conversations spread over the replicas' caches, siblings of a new prefix arriving
 together spread over the replicas (each counts as pending work where it went), and an
 empty replica (restarted in place) fills first.
+
+A request whose leading pages a request still in flight will compute (a sibling sent
+before it, over a prefix no cache holds yet: a *leader*, ``ahead`` tokens of work from
+the end of its prefill on its replica ``q``) may be held until those pages are in the
+index (:func:`hold`). Waiting ends this prefill first when, for some leader,
+
+    load * ahead + min_r(later(r) + load * max(0, pending(r) - ahead)) < min_r(-score(r))
+
+``later(r)`` being ``work(r)`` with the leader's pages credited at ``l1`` on ``q`` and
+at ``l3`` elsewhere (they reach the shared store). So the first siblings of a new
+prefix spread over idle replicas, and the rest wait for the pages instead of computing
+them again behind the others; once one replica's pages are in the index, a sibling
+goes there, or waits for another replica's leader when that ends its prefill first.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache_ray.serving.cache_index import Hits
 
-__all__ = ["InFlight", "RouteWeights", "rank_replicas", "work"]
+__all__ = ["InFlight", "Leader", "RouteWeights", "hold", "rank_replicas", "work"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,7 @@ class RouteWeights:
     the hits save less of a far faster prefill: measure there and set them.
         load: weight of one token of prefill already pending on the replica.
         room: cost of one token the replica caches already, for a new prefix.
+        hold_s: the longest a request waits for a leader's pages (0: never waits).
     """
 
     l1: float = 1.0
@@ -55,6 +69,7 @@ class RouteWeights:
     l3: float = 0.97
     load: float = 1.0
     room: float = 0.25
+    hold_s: float = 30.0
 
 
 def work(prompt_tokens: int, hits: Hits, page_size: int, weights: RouteWeights) -> float:
@@ -94,6 +109,48 @@ def rank_replicas(
     return sorted(replicas, key=score, reverse=True)
 
 
+@dataclass(frozen=True)
+class Leader:
+    """A request in flight whose prompt starts with ``pages`` of another's leading pages:
+    sent to ``replica``, ``ahead`` tokens of work (its own and those sent there before
+    it) from its prefill's end."""
+
+    replica: str
+    pages: int
+    ahead: float
+
+
+def hold(
+    replicas: Sequence[str],
+    hits: Mapping[str, Hits],
+    pending: Mapping[str, float],
+    prompt_tokens: int,
+    page_size: int,
+    weights: RouteWeights,
+    leaders: Mapping[str, Leader],
+) -> bool:
+    """Whether waiting for the pages of one of ``leaders`` (the best per replica) ends
+    this prompt's prefill sooner than starting it now anywhere (see the module
+    docstring)."""
+    if not leaders or weights.hold_s <= 0 or not replicas:
+        return False
+    load = weights.load
+
+    def now(r: str) -> float:
+        own = work(prompt_tokens, hits.get(r, Hits()), page_size, weights)
+        return own + load * pending.get(r, 0.0)
+
+    def later(r: str, leader: Leader) -> float:
+        h = hits.get(r, Hits())
+        extra = max(0, leader.pages - (h.device + h.host + h.shared))
+        credit = weights.l1 if r == leader.replica else weights.l3
+        left = max(1.0, work(prompt_tokens, h, page_size, weights) - page_size * credit * extra)
+        return load * leader.ahead + left + load * max(0.0, pending.get(r, 0.0) - leader.ahead)
+
+    waiting = min(later(r, leader) for leader in leaders.values() for r in replicas)
+    return waiting < min(map(now, replicas))
+
+
 class InFlight:
     """The work a router has sent to each replica and not seen finish.
 
@@ -107,11 +164,40 @@ class InFlight:
     def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
         self._max_age_s, self._clock = max_age_s, clock
         self._requests: dict[str, tuple[str, float, float]] = {}  # id -> replica, work, when
+        self._pages: dict[str, _Pages] = {}  # id -> its prompt's page hashes
 
-    def sent(self, request: str, replica: str, cost: float) -> None:
-        """``request`` (of ``cost`` tokens of work) went to ``replica`` (again: moved)."""
-        self._requests.pop(request, None)
+    def sent(self, request: str, replica: str, cost: float, hashes: Sequence[str] = ()) -> None:
+        """``request`` (of ``cost`` tokens of work, its prompt's page ``hashes``) went to
+        ``replica`` (again: moved)."""
+        self.finished(request)
         self._requests[request] = (replica, cost, self._clock())
+        if hashes:
+            self._pages[request] = _Pages(list(hashes))
+
+    def leaders(self, hashes: Sequence[str]) -> dict[str, Leader]:
+        """Per replica, the request in flight there whose prompt shares most of
+        ``hashes``' leading pages (the least work ahead of it among equals)."""
+        self._expire()
+        best: dict[str, Leader] = {}
+        for request, pages in self._pages.items() if hashes else ():
+            shared = pages.leading(hashes)
+            replica = self._requests[request][0]
+            known = best.get(replica)
+            if shared and (known is None or shared >= known.pages):
+                ahead = self._ahead(request, replica)
+                if known is None or shared > known.pages or ahead < known.ahead:
+                    best[replica] = Leader(replica, shared, ahead)
+        return best
+
+    def _ahead(self, request: str, replica: str) -> float:
+        """The work sent to ``replica`` up to and with ``request``, in sending order."""
+        total = 0.0
+        for other, (where, cost, _) in self._requests.items():
+            if where == replica:
+                total += cost
+            if other == request:
+                break
+        return total
 
     def moved(self, request: str, replica: str) -> None:
         """``request`` reached ``replica`` after all (the first choice was full)."""
@@ -121,11 +207,12 @@ class InFlight:
 
     def finished(self, request: str) -> None:
         self._requests.pop(request, None)
+        self._pages.pop(request, None)
 
     def forget(self, replica: str) -> None:
         """``replica`` died: its requests count no more."""
         for request in [k for k, v in self._requests.items() if v[0] == replica]:
-            del self._requests[request]
+            self.finished(request)
 
     def pending(
         self, ongoing: Mapping[str, int] | None = None, typical: float = 0.0
@@ -156,4 +243,27 @@ class InFlight:
             request, (_, _, when) = next(iter(self._requests.items()))
             if when >= horizon:
                 break
-            del self._requests[request]
+            self.finished(request)
+
+
+@dataclass
+class _Pages:
+    """One prompt's page hashes. Each hash names its page and every page before it, so
+    the pages two prompts share are a leading run found by bisection."""
+
+    hashes: list[str]
+    members: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.members = frozenset(self.hashes)
+
+    def leading(self, hashes: Sequence[str]) -> int:
+        """How many of ``hashes``' leading pages this prompt starts with."""
+        lo, hi = 0, min(len(hashes), len(self.hashes))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in self.members:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -12,8 +12,16 @@ from hicache_ray.cache.events import (
     EventBatch,
     KVEventBatch,
 )
+from hicache_ray.keys import page_hashes
 from hicache_ray.serving.cache_index import CacheIndex, Hits
-from hicache_ray.serving.route_cost import InFlight, RouteWeights, rank_replicas, work
+from hicache_ray.serving.route_cost import (
+    InFlight,
+    Leader,
+    RouteWeights,
+    hold,
+    rank_replicas,
+    work,
+)
 
 PAGE = 4
 
@@ -82,6 +90,50 @@ def test_in_flight_work_counts_until_it_finishes_or_grows_old() -> None:
     now[0] = 11.0
     flight.sent("r5", "a", 6.0)
     assert flight.pending() == {"a": 6.0}  # r4 never finished: dropped after max_age_s
+
+
+def test_leaders_are_the_requests_in_flight_sharing_most_leading_pages() -> None:
+    shared = list(range(40))  # 10 pages
+    first = page_hashes([*shared, *range(100, 120)], PAGE)  # 15 pages
+    second = page_hashes([*shared[:20], *range(200, 220)], PAGE)  # 5 shared pages, then its own
+    flight = InFlight()
+    assert flight.leaders(first) == {}
+    flight.sent("r0", "a", 7.0)  # no pages known: never a leader
+    flight.sent("r1", "a", 60.0, first)
+    flight.sent("r2", "b", 40.0, second)
+    flight.sent("r3", "b", 30.0, second)  # as many pages as r2, more work ahead
+    sibling = page_hashes([*shared, *range(300, 340)], PAGE)
+    # r0's work is ahead of r1 on a
+    assert flight.leaders(sibling) == {"a": Leader("a", 10, 67.0), "b": Leader("b", 5, 40.0)}
+    assert flight.leaders(page_hashes(list(range(500, 540)), PAGE)) == {}
+    flight.finished("r1")
+    assert flight.leaders(sibling) == {"b": Leader("b", 5, 40.0)}
+    flight.forget("b")
+    assert flight.leaders(sibling) == {} and flight.leaders([]) == {}
+
+
+def test_siblings_spread_over_idle_replicas_then_wait_for_the_first_ones_pages() -> None:
+    n, page, w = 1440, 16, RouteWeights()  # 1,024 shared tokens (64 pages), then their own
+    none = {"a": Hits(), "b": Hits()}
+    first = {"a": Leader("a", 64, float(n))}
+    # the second sibling: b is idle, computing there ends first
+    assert not hold(["a", "b"], none, {"a": float(n)}, n, page, w, first)
+    # the third: both replicas busy with a sibling; waiting for the pages ends first
+    both = {"a": Leader("a", 64, float(n)), "b": Leader("b", 64, float(n))}
+    busy = {"a": float(n), "b": float(n)}
+    assert hold(["a", "b"], none, busy, n, page, w, both)
+    assert not hold(["a", "b"], none, busy, n, page, RouteWeights(hold_s=0), both)
+    # a's pages are in the index: the third goes there now; the fourth (a has the third's
+    # 416 tokens more) waits for b's instead, and goes there once b's are in too
+    at_a = {"a": Hits(device=64), "b": Hits()}
+    assert not hold(["a", "b"], at_a, busy, n, page, w, both)
+    assert hold(["a", "b"], at_a, {"a": n + 416.0, "b": float(n)}, n, page, w, both)
+    at_both = {"a": Hits(device=64), "b": Hits(device=64)}
+    assert not hold(["a", "b"], at_both, {"a": n + 416.0, "b": float(n)}, n, page, w, both)
+    # a few shared pages behind a long queue are not worth the wait
+    far = {"a": Leader("a", 4, 5_000.0)}
+    assert not hold(["a", "b"], none, {"a": 5_000.0, "b": 100.0}, n, page, w, far)
+    assert not hold(["a", "b"], none, busy, n, page, w, {})
 
 
 def _batch(seq: int, *events: BlockStored | BlockRemoved | AllBlocksCleared) -> EventBatch:

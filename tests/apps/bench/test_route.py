@@ -5,6 +5,7 @@ is for the full benchmark to say, not a smoke test)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import msgspec
@@ -56,8 +57,8 @@ def test_bench_route_quick_writes_every_figure(tmp_path: Path, ray_local: None) 
 def test_bench_route_quick_runs_the_blind_spot_scenarios(tmp_path: Path, ray_local: None) -> None:
     """A working set past the cluster's L1, a hot shared prompt, bursts of siblings, a
     replica re-formed in place and the trace, over a ray L3, behind the cache router: every
-    turn answered, every figure written."""
-    out = tmp_path / "route.json"
+    turn answered, every figure written, every turn in the turn log."""
+    out, turns = tmp_path / "route.json", tmp_path / "turns.jsonl"
     scenarios = "tiers,hot,burst,reform,trace"
     main(
         [
@@ -70,10 +71,18 @@ def test_bench_route_quick_runs_the_blind_spot_scenarios(tmp_path: Path, ray_loc
             "cache",
             "--json",
             str(out),
+            "--turn-log",
+            str(turns),
         ]
     )
     by_name = {f.name: f for f in msgspec.json.decode(out.read_bytes(), type=Report).figures}
+    logged = [json.loads(line) for line in turns.read_text().splitlines()]
     for scenario in scenarios.split(","):
+        mine = [t for t in logged if t["scenario"] == scenario]
+        rate = by_name[f"route.r2.{scenario}.cache.requests_per_s"].value
+        assert mine and rate > 0 and {t["router"] for t in mine} == {"cache"}
+        assert all(t["ttft_s"] > 0 and t["replica"] and t["replicas"] == 2 for t in mine)
+        assert all(t["l1"] + t["l2"] + t["l3"] < t["prompt_tokens"] for t in mine)
         assert by_name[f"route.r2.{scenario}.cache.failed"].value == 0
         assert by_name[f"route.r2.{scenario}.cache.ttft_p90_ms"].value > 0
         assert 0.5 <= by_name[f"route.r2.{scenario}.cache.busiest_share"].value <= 1

@@ -1,0 +1,78 @@
+"""The cache router's wait for a sibling's pages, on fake replicas (no Ray cluster): a call
+whose pages a call in flight is computing waits while that ends its prefill first, keeps
+its routing task without taking another call's, and goes when the pages come, when the
+sibling ends, or at ``hold_s``."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from actors.routing import CacheAwareRouter
+from hicache_ray.keys import page_hashes
+from hicache_ray.serving.cache_index import Hits
+
+PAGE = 4
+SHARED = list(range(64))  # 16 pages the siblings share
+
+
+def _router(**weights: float) -> tuple[Any, list[Any]]:
+    router: Any = CacheAwareRouter.__new__(CacheAwareRouter)
+    router.initialize_state(app="t", page_size=PAGE, **weights)
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in "ab"]
+    router._replicas = {r.replica_id.unique_id: r for r in replicas}
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda _: 0)
+    prompt = page_hashes([*SHARED, *range(100, 116)], PAGE)
+    router._inflight.sent("first", "a", 80.0, prompt)  # the first sibling, on a
+    router._inflight.sent("second", "b", 80.0, page_hashes([*SHARED, *range(200, 216)], PAGE))
+    return router, replicas
+
+
+def _third() -> list[str]:
+    return page_hashes([*SHARED, *range(300, 316)], PAGE)
+
+
+def test_a_sibling_waits_then_goes_where_the_first_ones_pages_are() -> None:
+    router, replicas = _router()
+    seen: list[int] = []
+
+    async def facts(names: list[str], hashes: list[str]) -> Any:
+        seen.append(router.max_num_routing_tasks)
+        if len(seen) < 3:  # the first sibling's prefill has not ended yet
+            return {}, {}
+        return {"a": Hits(device=16), "b": Hits(shared=16)}, {}
+
+    router._facts = facts
+    ranked = asyncio.run(router._held(replicas, 80, _third()))
+    assert [r.replica_id.unique_id for r, _ in ranked] == ["a", "b"]
+    assert seen == [4, 5, 5]  # while it waits, one more routing task for the other calls
+    assert router._holding == 0 and router.max_num_routing_tasks == 4
+
+
+def test_a_sibling_stops_waiting_when_the_first_one_ends_or_at_hold_s() -> None:
+    router, replicas = _router()
+    calls = 0
+
+    async def facts(names: list[str], hashes: list[str]) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # it failed: its pages never come
+            router._inflight.finished("first")
+            router._inflight.finished("second")
+        return {}, {}
+
+    router._facts = facts
+    assert asyncio.run(router._held(replicas, 80, _third())) is None  # pow2: nothing known
+    assert calls == 2
+    router, replicas = _router(hold_s=0.05)
+    router._facts = lambda names, hashes: _nothing()
+    assert asyncio.run(router._held(replicas, 80, _third())) is None
+    assert router._holding == 0
+    router, replicas = _router(hold_s=0)  # never waits
+    router._facts = lambda names, hashes: _nothing()
+    assert asyncio.run(router._held(replicas, 80, _third())) is None
+
+
+async def _nothing() -> Any:
+    return {}, {}
