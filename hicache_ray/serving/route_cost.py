@@ -32,7 +32,9 @@ index (:func:`hold`). Waiting ends this prefill first when, for some leader,
 at ``l3`` elsewhere (they reach the shared store). So the first siblings of a new
 prefix spread over idle replicas, and the rest wait for the pages instead of computing
 them again behind the others; once one replica's pages are in the index, a sibling
-goes there, or waits for another replica's leader when that ends its prefill first.
+goes there, or waits for another replica's leader when that ends its prefill first. A
+leader whose pages its replica already shows has ended its prefill: nothing comes of
+waiting for it (its pages reach the store, if ever, when its replica writes them).
 """
 
 from __future__ import annotations
@@ -147,7 +149,14 @@ def hold(
         left = max(1.0, work(prompt_tokens, h, page_size, weights) - page_size * credit * extra)
         return load * leader.ahead + left + load * max(0.0, pending.get(r, 0.0) - leader.ahead)
 
-    waiting = min(later(r, leader) for leader in leaders.values() for r in replicas)
+    def computing(leader: Leader) -> bool:  # its pages are not in the index yet
+        h = hits.get(leader.replica, Hits())
+        return leader.pages > h.device + h.host + h.shared
+
+    busy = [leader for leader in leaders.values() if computing(leader)]
+    if not busy:
+        return False
+    waiting = min(later(r, leader) for leader in busy for r in replicas)
     return waiting < min(map(now, replicas))
 
 

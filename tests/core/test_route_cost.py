@@ -130,6 +130,11 @@ def test_siblings_spread_over_idle_replicas_then_wait_for_the_first_ones_pages()
     assert hold(["a", "b"], at_a, {"a": n + 416.0, "b": float(n)}, n, page, w, both)
     at_both = {"a": Hits(device=64), "b": Hits(device=64)}
     assert not hold(["a", "b"], at_both, {"a": n + 416.0, "b": float(n)}, n, page, w, both)
+    # a hot prefix a's L1 shows, not (yet) in the L3: a call on it still in flight there
+    # computes nothing new, so nobody waits for it (b computes the prefix when a's queue
+    # costs more)
+    hot = {"a": Leader("a", 64, 416.0)}
+    assert not hold(["a", "b"], at_a, {"a": 3 * 416.0}, n, page, w, hot)
     # a few shared pages behind a long queue are not worth the wait
     far = {"a": Leader("a", 4, 5_000.0)}
     assert not hold(["a", "b"], none, {"a": 5_000.0, "b": 100.0}, n, page, w, far)
