@@ -13,10 +13,10 @@ engines through a Serve handle whose request router picks the replica:
   against the work already pending there (:mod:`hicache_ray.serving.route_cost`); a
   prompt no replica holds a page of goes where the caches have most room; one whose
   pages a call in flight is computing waits for them when that ends its prefill first
-  (siblings of a new prefix). No usable
-  information (caches and loads alike, the index not answering in time): power of two
-  choices. A replica that is down is no candidate, and
-  one at capacity is skipped by Serve's probe, whatever it holds.
+  (siblings of a new prefix). The index not answering in time: by the work pending
+  alone. No usable information (caches and loads alike): power of two choices. A
+  replica that is down is no candidate, and one at capacity is skipped by Serve's
+  probe, whatever it holds.
 * ``prefix``: Ray's ``PrefixCacheAffinityRouter`` as Ray ships it (it guesses from the
   prompt text it routed; the calls carry ``prompt`` or ``messages`` for it).
 * ``pow2``: Ray Serve's default, power of two choices.
@@ -296,16 +296,17 @@ class CacheAwareRouter(RequestRouter):
         ``hashes``) there (None: no usable information), and whether to wait instead."""
         by_id = {r.replica_id.unique_id: r for r in candidates}
         facts = await self._facts(list(by_id), hashes) if hashes else None
-        if facts is None:
-            return None, False
-        hits, held = facts
+        # NOTE: with no answer from the index the work this router sent still tells the
+        # replicas apart (a burst at start-up, before the copy is fresh, would otherwise
+        # go by Serve's cached queue lengths, which lag the burst).
+        hits, held = facts if facts is not None else ({}, {})
         ongoing = {
             rid: self._replica_queue_len_cache.get(r.replica_id) or 0 for rid, r in by_id.items()
         }
         pending = self._inflight.pending(ongoing, typical=float(n))
         page, weights = self._page_size, self._weights
         leaders = self._inflight.leaders(hashes)
-        if hold(list(by_id), hits, pending, n, page, weights, leaders):
+        if facts is not None and hold(list(by_id), hits, pending, n, page, weights, leaders):
             return None, True
         order = rank_replicas(list(by_id), hits, pending, n, page, weights, held)
         if order is None:

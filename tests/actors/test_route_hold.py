@@ -76,3 +76,17 @@ def test_a_sibling_stops_waiting_when_the_first_one_ends_or_at_hold_s() -> None:
 
 async def _nothing() -> Any:
     return {}, {}
+
+
+def test_without_the_index_a_call_goes_where_least_work_is_pending() -> None:
+    router, replicas = _router()
+    router._inflight.sent("third", "a", 40.0)  # a: 120 tokens of work pending, b: 80
+
+    async def silent(names: list[str], hashes: list[str]) -> Any:
+        return None  # the index did not answer within wait_s
+
+    router._facts = silent
+    ranked = asyncio.run(router._held(replicas, 80, _third()))  # no waiting without it
+    assert [r.replica_id.unique_id for r, _ in ranked] == ["b", "a"]
+    router._inflight.finished("third")
+    assert asyncio.run(router._held(replicas, 80, _third())) is None  # alike: pow2
