@@ -14,7 +14,7 @@ engines through a Serve handle whose request router picks the replica:
   prompt no replica holds a page of goes where the caches have most room; one whose
   pages a call in flight is computing waits for them when that ends its prefill first
   (siblings of a new prefix). The index not answering in time: by the work pending
-  alone. No usable information (caches and loads alike): power of two choices. A
+  alone. Replicas alike in all of that: one at random, its work counted there. A
   replica that is down is no candidate, and one at capacity is skipped by Serve's
   probe, whatever it holds.
 * ``prefix``: Ray's ``PrefixCacheAffinityRouter`` as Ray ships it (it guesses from the
@@ -213,8 +213,8 @@ class CacheAwareRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """``app`` (the index's name), ``page_size``, ``salt`` (the L3 keys' tenant salt),
         the :class:`RouteWeights` ``l1``, ``l2``, ``l3``, ``load``, ``room``, ``hold_s``, and
-        ``wait_s``: how long a decision waits for the index before it routes by power of
-        two choices."""
+        ``wait_s``: how long a decision waits for the index before it routes by the work
+        pending alone."""
         self._app = str(kwargs.get("app", ""))
         self._page_size = int(kwargs.get("page_size", 0))
         self._salt = str(kwargs.get("salt", ""))
@@ -243,13 +243,12 @@ class CacheAwareRouter(RequestRouter):
         if len(candidate_replicas) > 1 and tokens and self._page_size:
             hashes = page_hashes(tokens, self._page_size, salt=self._salt or None)
             ranked = await self._held(candidate_replicas, len(tokens), hashes)
-            if ranked is not None:
-                best, cost = ranked[0]
-                if pending_request is not None:
-                    request_id = pending_request.metadata.internal_request_id
-                    self._inflight.sent(request_id, best.replica_id.unique_id, cost, hashes)
-                order = [replica for replica, _ in ranked]
-                return [[best], order[1:]] if len(order) > 1 else [order]
+            best, cost = ranked[0]
+            if pending_request is not None:
+                request_id = pending_request.metadata.internal_request_id
+                self._inflight.sent(request_id, best.replica_id.unique_id, cost, hashes)
+            order = [replica for replica, _ in ranked]
+            return [[best], order[1:]]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
 
     @property
@@ -261,14 +260,14 @@ class CacheAwareRouter(RequestRouter):
 
     async def _held(
         self, candidates: list[RunningReplica], n: int, hashes: list[str]
-    ) -> list[tuple[RunningReplica, float]] | None:
+    ) -> list[tuple[RunningReplica, float]]:
         """:meth:`_ranked`, after waiting (up to ``hold_s``) while a call in flight is
         computing pages of this prompt and waiting for them ends its prefill first."""
         deadline, held = time.monotonic() + self._weights.hold_s, 0
         try:
             while True:
-                ranked, waits = await self._ranked(candidates, n, hashes)
-                if not waits or time.monotonic() >= deadline:
+                ranked = await self._ranked(candidates, n, hashes, time.monotonic() < deadline)
+                if ranked:
                     return ranked
                 self._holding += 1 - held
                 held = 1
@@ -290,10 +289,10 @@ class CacheAwareRouter(RequestRouter):
         self._inflight.forget(replica_id.unique_id)
 
     async def _ranked(
-        self, candidates: list[RunningReplica], n: int, hashes: list[str]
-    ) -> tuple[list[tuple[RunningReplica, float]] | None, bool]:
+        self, candidates: list[RunningReplica], n: int, hashes: list[str], may_wait: bool
+    ) -> list[tuple[RunningReplica, float]]:
         """The candidates best first, each with the work of the call (``n`` tokens, page
-        ``hashes``) there (None: no usable information), and whether to wait instead."""
+        ``hashes``) there; empty when it had better wait (and ``may_wait``)."""
         by_id = {r.replica_id.unique_id: r for r in candidates}
         facts = await self._facts(list(by_id), hashes) if hashes else None
         # NOTE: with no answer from the index the work this router sent still tells the
@@ -305,13 +304,15 @@ class CacheAwareRouter(RequestRouter):
         }
         pending = self._inflight.pending(ongoing, typical=float(n))
         page, weights = self._page_size, self._weights
-        leaders = self._inflight.leaders(hashes)
-        if facts is not None and hold(list(by_id), hits, pending, n, page, weights, leaders):
-            return None, True
+        if may_wait and facts is not None:
+            leaders = self._inflight.leaders(hashes)
+            if hold(list(by_id), hits, pending, n, page, weights, leaders):
+                return []
+        # NOTE: replicas alike go in a random order, the first counted as chosen: left to
+        # Serve's power of two choices, a burst's calls would be invisible to ``pending``.
         order = rank_replicas(list(by_id), hits, pending, n, page, weights, held)
-        if order is None:
-            return None, False
-        return [(by_id[r], work(n, hits.get(r, Hits()), page, weights)) for r in order], False
+        order = order or random.sample(list(by_id), len(by_id))
+        return [(by_id[r], work(n, hits.get(r, Hits()), page, weights)) for r in order]
 
     async def _facts(
         self, replicas: list[str], hashes: list[str]
@@ -325,7 +326,7 @@ class CacheAwareRouter(RequestRouter):
         try:
             ref = self._index_actor().facts.remote(replicas, hashes)
             facts = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._wait_s)
-        except Exception as exc:  # gone or slow this time: power of two choices
+        except Exception as exc:  # gone or slow this time: by pending work alone
             self._lost(exc)
             return None
         return facts  # type: ignore[no-any-return]

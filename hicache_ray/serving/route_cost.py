@@ -92,7 +92,7 @@ def rank_replicas(
 ) -> list[str] | None:
     """``replicas`` best first (see the module docstring); None when nothing tells them
     apart (no replica holds a page, their caches hold alike and their pending work is
-    the same): the caller routes by power of two choices."""
+    the same): the caller picks one at random."""
     if not any(hits.get(r, Hits()).device or hits.get(r, Hits()).host for r in replicas):
         sizes = held or {}
         if len({(sizes.get(r, 0), pending.get(r, 0.0)) for r in replicas}) < 2:
