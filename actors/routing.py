@@ -304,7 +304,7 @@ class CacheAwareRouter(RequestRouter):
         }
         pending = self._inflight.pending(ongoing, typical=float(n))
         page, weights = self._page_size, self._weights
-        if may_wait and facts is not None:
+        if may_wait and facts is not None and weights.hold_s > 0:
             leaders = self._inflight.leaders(hashes)
             if hold(list(by_id), hits, pending, n, page, weights, leaders):
                 return []

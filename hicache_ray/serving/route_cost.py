@@ -63,7 +63,11 @@ class RouteWeights:
     the hits save less of a far faster prefill: measure there and set them.
         load: weight of one token of prefill already pending on the replica.
         room: cost of one token the replica caches already, for a new prefix.
-        hold_s: the longest a request waits for a leader's pages (0: never waits).
+        hold_s: the longest a request waits for a leader's pages (0, the default: never
+            waits; on this project's engine, which admits a replica's calls in order and
+            so runs a sibling queued behind its leader from the leader's pages anyway,
+            spreading measured as well as waiting on ``bench route``'s ``burst`` and
+            better on its ``trace``).
     """
 
     l1: float = 1.0
@@ -71,7 +75,7 @@ class RouteWeights:
     l3: float = 0.97
     load: float = 1.0
     room: float = 0.25
-    hold_s: float = 30.0
+    hold_s: float = 0.0
 
 
 def work(prompt_tokens: int, hits: Hits, page_size: int, weights: RouteWeights) -> float:

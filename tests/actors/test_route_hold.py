@@ -19,7 +19,7 @@ SHARED = list(range(64))  # 16 pages the siblings share
 
 def _router(**weights: float) -> tuple[Any, list[Any]]:
     router: Any = CacheAwareRouter.__new__(CacheAwareRouter)
-    router.initialize_state(app="t", page_size=PAGE, **weights)
+    router.initialize_state(app="t", page_size=PAGE, **{"hold_s": 30.0, **weights})
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in "ab"]
     router._replicas = {r.replica_id.unique_id: r for r in replicas}
     router._replica_queue_len_cache = SimpleNamespace(get=lambda _: 0)

@@ -113,7 +113,7 @@ def test_leaders_are_the_requests_in_flight_sharing_most_leading_pages() -> None
 
 
 def test_siblings_spread_over_idle_replicas_then_wait_for_the_first_ones_pages() -> None:
-    n, page, w = 1440, 16, RouteWeights()  # 1,024 shared tokens (64 pages), then their own
+    n, page, w = 1440, 16, RouteWeights(hold_s=30.0)  # 1,024 shared tokens (64 pages), then own
     none = {"a": Hits(), "b": Hits()}
     first = {"a": Leader("a", 64, float(n))}
     # the second sibling: b is idle, computing there ends first
@@ -122,7 +122,7 @@ def test_siblings_spread_over_idle_replicas_then_wait_for_the_first_ones_pages()
     both = {"a": Leader("a", 64, float(n)), "b": Leader("b", 64, float(n))}
     busy = {"a": float(n), "b": float(n)}
     assert hold(["a", "b"], none, busy, n, page, w, both)
-    assert not hold(["a", "b"], none, busy, n, page, RouteWeights(hold_s=0), both)
+    assert not hold(["a", "b"], none, busy, n, page, RouteWeights(), both)  # never by default
     # a's pages are in the index: the third goes there now; the fourth (a has the third's
     # 416 tokens more) waits for b's instead, and goes there once b's are in too
     at_a = {"a": Hits(device=64), "b": Hits()}
