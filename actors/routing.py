@@ -212,9 +212,9 @@ class CacheAwareRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """``app`` (the index's name), ``page_size``, ``salt`` (the L3 keys' tenant salt),
-        the :class:`RouteWeights` ``l1``, ``l2``, ``l3``, ``load``, ``room``, ``hold_s``, and
-        ``wait_s``: how long a decision waits for the index before it routes by the work
-        pending alone."""
+        the :class:`RouteWeights` ``l1``, ``l2``, ``l3``, ``load``, ``call``, ``room``,
+        ``hold_s``, and ``wait_s``: how long a decision waits for the index before it
+        routes by the work pending alone."""
         self._app = str(kwargs.get("app", ""))
         self._page_size = int(kwargs.get("page_size", 0))
         self._salt = str(kwargs.get("salt", ""))
@@ -222,7 +222,7 @@ class CacheAwareRouter(RequestRouter):
         self._weights = RouteWeights(
             **{
                 name: float(kwargs.get(name, getattr(defaults, name)))
-                for name in ("l1", "l2", "l3", "load", "room", "hold_s")
+                for name in ("l1", "l2", "l3", "load", "call", "room", "hold_s")
             }
         )
         self._holding = 0  # calls waiting for a sibling's pages
@@ -246,7 +246,8 @@ class CacheAwareRouter(RequestRouter):
             best, cost = ranked[0]
             if pending_request is not None:
                 request_id = pending_request.metadata.internal_request_id
-                self._inflight.sent(request_id, best.replica_id.unique_id, cost, hashes)
+                replica = best.replica_id.unique_id
+                self._inflight.sent(request_id, replica, cost + self._weights.call, hashes)
             order = [replica for replica, _ in ranked]
             return [[best], order[1:]]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]

@@ -62,6 +62,8 @@ class RouteWeights:
     0.98, 0.98, 0.97): there a prefill costs seconds and a copy milliseconds. On a GPU
     the hits save less of a far faster prefill: measure there and set them.
         load: weight of one token of prefill already pending on the replica.
+        call: what a request costs its replica beyond its prefill (its decode steps,
+            its scheduling), in tokens of prefill: each pending request adds it.
         room: cost of one token the replica caches already, for a new prefix.
         hold_s: the longest a request waits for a leader's pages (0, the default: never
             waits; on this project's engine, which admits a replica's calls in order and
@@ -74,6 +76,7 @@ class RouteWeights:
     l2: float = 1.0
     l3: float = 0.97
     load: float = 1.0
+    call: float = 0.0
     room: float = 0.25
     hold_s: float = 0.0
 

@@ -50,14 +50,15 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
     ),
     "route_weights": (
         "",
-        "the cache router's weights, e.g. l1=1,l2=0.8,l3=0.6,load=1,room=0.25,hold_s=0,"
-        "wait_s=0.1 (share of a page's prefill an L1 / L2 / L3 hit saves, weight of a token "
-        "of prefill pending on a replica, what a cached token costs a new prefix, the longest "
-        "a call waits for a sibling's pages, the index's answer time)",
+        "the cache router's weights, e.g. l1=1,l2=0.8,l3=0.6,load=1,call=0,room=0.25,"
+        "hold_s=0,wait_s=0.1 (share of a page's prefill an L1 / L2 / L3 hit saves, weight of "
+        "a token of prefill pending on a replica, a request's cost beyond its prefill in "
+        "tokens, what a cached token costs a new prefix, the longest a call waits for a "
+        "sibling's pages, the index's answer time)",
     ),
 }
 ROUTERS = ("cache", "prefix", "pow2")
-ROUTE_WEIGHTS = ("l1", "l2", "l3", "load", "room", "hold_s", "wait_s")
+ROUTE_WEIGHTS = ("l1", "l2", "l3", "load", "call", "room", "hold_s", "wait_s")
 
 
 def _number(name: str, value: str, kind: type[int] | type[float]) -> float:

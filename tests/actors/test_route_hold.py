@@ -91,3 +91,20 @@ def test_without_the_index_a_call_goes_where_least_work_is_pending() -> None:
     assert _names(asyncio.run(router._held(replicas, 80, _third()))) == ["b", "a"]
     router._inflight.finished("third")
     assert len(asyncio.run(router._held(replicas, 80, _third()))) == 2  # alike: at random
+
+
+def test_a_routed_call_counts_its_prefill_and_its_call_cost_where_it_went() -> None:
+    router, replicas = _router(call=50.0)
+    router._inflight.finished("first")
+    router._inflight.finished("second")
+    router._facts = lambda names, hashes: _held_by_b()
+    tokens = [*SHARED, *range(300, 316)]  # 80 tokens, 16 of 20 pages in b's L1
+    call = SimpleNamespace(request=SimpleNamespace(tokens=tokens))
+    pending = SimpleNamespace(args=[call], metadata=SimpleNamespace(internal_request_id="x"))
+    chosen = asyncio.run(router.choose_replicas(replicas, pending))
+    assert [[r.replica_id.unique_id for r in group] for group in chosen] == [["b"], ["a"]]
+    assert router._inflight.pending() == {"b": 16.0 + 50.0}  # 64 of 80 tokens cached
+
+
+async def _held_by_b() -> Any:
+    return {"a": Hits(), "b": Hits(device=16)}, {"b": 16}
