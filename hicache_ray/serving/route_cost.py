@@ -9,10 +9,11 @@ For a prompt of ``n`` tokens and each candidate replica ``r``, in prompt tokens 
 ``shared`` the pages past those that the shared L3 holds (the same store for every
 replica: a replica that never saw the prefix still reads it at the store's speed);
 ``pending(r)`` the work of the requests already sent to ``r`` that have not finished,
-plus ``call`` for each (:class:`InFlight`). If every replica computed prefill tokens at the same rate, the best
-score is the replica whose prefill of this prompt would end first: locality wins until
-the queue it builds costs more than the pages it saves. The credits ``l2`` and ``l3``
-are the share of a page's prefill that a hit from that tier saves (an L1 hit: all of it).
+plus ``call`` for each (:class:`InFlight`). If every replica computed prefill tokens at
+the same rate, the best score is the replica whose prefill of this prompt would end
+first: locality wins until the queue it builds costs more than the pages it saves. The
+credits ``l2`` and ``l3`` are the share of a page's prefill that a hit from that tier
+saves (an L1 hit: all of it).
 
 A prompt of which no replica holds a page in L1 or L2 is a new prefix: it goes where the
 caches have most room and the least work waits, ``score(r) = -(room * page_size *
