@@ -246,8 +246,10 @@ class CacheAwareRouter(RequestRouter):
             best, cost = ranked[0]
             if pending_request is not None:
                 request_id = pending_request.metadata.internal_request_id
-                replica = best.replica_id.unique_id
-                self._inflight.sent(request_id, replica, cost + self._weights.call, hashes)
+                replica, weights = best.replica_id.unique_id, self._weights
+                # its pages are read only by the siblings' rule (``hold_s`` > 0)
+                pages = hashes if weights.hold_s > 0 else ()
+                self._inflight.sent(request_id, replica, cost + weights.call, pages)
             order = [replica for replica, _ in ranked]
             return [[best], order[1:]]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]

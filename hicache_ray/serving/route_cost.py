@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hicache_ray.serving.cache_index import Hits
 
@@ -189,7 +189,7 @@ class InFlight:
         self.finished(request)
         self._requests[request] = (replica, cost, self._clock())
         if hashes:
-            self._pages[request] = _Pages(list(hashes))
+            self._pages[request] = _Pages(hashes)
 
     def leaders(self, hashes: Sequence[str]) -> dict[str, Leader]:
         """Per replica, the request in flight there whose prompt shares most of
@@ -263,23 +263,19 @@ class InFlight:
             self.finished(request)
 
 
-@dataclass
 class _Pages:
     """One prompt's page hashes. Each hash names its page and every page before it, so
     the pages two prompts share are a leading run found by bisection."""
 
-    hashes: list[str]
-    members: frozenset[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.members = frozenset(self.hashes)
+    def __init__(self, hashes: Sequence[str]) -> None:
+        self._count, self._members = len(hashes), frozenset(hashes)
 
     def leading(self, hashes: Sequence[str]) -> int:
         """How many of ``hashes``' leading pages this prompt starts with."""
-        lo, hi = 0, min(len(hashes), len(self.hashes))
+        lo, hi = 0, min(len(hashes), self._count)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in self.members:
+            if hashes[mid - 1] in self._members:
                 lo = mid
             else:
                 hi = mid - 1
