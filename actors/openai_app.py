@@ -7,9 +7,11 @@ replica's ``placement_group_bundles``) and the checkpoint's tokenizer. ``usage``
 use OpenAI's format: 400 for a bad body or a prompt longer than the context, 404 for an
 unknown model or path, 413 for a body over ``MAX_BODY_BYTES``, 503 with ``Retry-After`` when
 overloaded (the admission queue is full) or the deployment cannot serve, 500 when a request
-fails inside. A stream sends nothing until the engine's first chunk, so every refusal is a
-status. A replica takes ``max_running + max_queued`` requests at once
-(:func:`max_ongoing_requests`), so HTTP clients get the engine's batching and queue.
+fails inside, 401 without a valid key when the door has keys (checked before the body is
+read; each key's tenant has a cache of its own: :mod:`hicache_ray.serving.tenants`). A
+stream sends nothing until the engine's first chunk, so every refusal is a status. A
+replica takes ``max_running + max_queued`` requests at once (:func:`max_ongoing_requests`),
+so HTTP clients get the engine's batching and queue.
 
     serve run actors.openai_app:build_app model=/path/to/checkpoint tp=2
     hicache-ray serve --model /path/to/checkpoint --tp 2      # the same, from the CLI
@@ -39,6 +41,7 @@ from hicache_ray.serving.openai.protocol import (
     models_response,
 )
 from hicache_ray.serving.openai.text import text_codec
+from hicache_ray.serving.tenants import ApiKeys, KeySpec, Tenant
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -50,41 +53,56 @@ __all__ = [
 ]
 
 MAX_BODY_BYTES = 4 << 20
+NO_KEYS = KeySpec()  # a door every caller may use
 
 
 def _error(error: OpenAIError) -> JSONResponse:
     headers = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    if error.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 
 class _Front(ABC):
-    """The HTTP side: routes, the body limit, parsing and tokenizing, errors as statuses;
-    ``_respond`` and ``_events`` run the call (on this replica or on an engine replica)."""
+    """The HTTP side: keys, routes, the body limit, parsing and tokenizing, errors as
+    statuses; ``_respond`` and ``_events`` run the call (on this replica or on an engine
+    replica). ``keys``: :class:`KeySpec`'s digests and keys file (none: no key needed)."""
 
-    def __init__(self, config: DeploymentConfig, served_name: str, keep_store: bool) -> None:
+    def __init__(
+        self, config: DeploymentConfig, served_name: str, keep_store: bool, keys: KeySpec
+    ) -> None:
         self.config = config
         self.model = served_name or config.model.name
         self.keep_store = keep_store
         self.codec = text_codec(config.model.checkpoint)
         self.created = int(time.time())
+        self.keys = ApiKeys(keys.digests, keys.path)
 
     async def __call__(self, request: Request) -> Response:
         try:
+            try:  # before anything else: a caller without a key costs nothing more
+                tenant = self.keys.tenant(request.headers.get("authorization"))
+            except PermissionError as exc:
+                raise OpenAIError(401, str(exc), code="invalid_api_key") from None
             path, method = request.url.path.rstrip("/"), request.method
             if path == "/v1/models" and method == "GET":
                 return JSONResponse(models_response(self.model, self.created))
             if path == "/v1/completions" and method == "POST":
-                return await self._serve(request, CompletionRequest)
+                return await self._serve(request, CompletionRequest, tenant)
             if path == "/v1/chat/completions" and method == "POST":
-                return await self._serve(request, ChatRequest)
+                return await self._serve(request, ChatRequest, tenant)
             raise OpenAIError(404, f"no route {method} {path}", code="not_found")
         except OpenAIError as exc:
             return _error(exc)
 
     async def _serve(
-        self, request: Request, kind: type[CompletionRequest] | type[ChatRequest]
+        self,
+        request: Request,
+        kind: type[CompletionRequest] | type[ChatRequest],
+        tenant: Tenant | None,
     ) -> Response:
-        call = parse_call(await self._read(request), kind, self.codec, self.config, self.model)
+        raw = await self._read(request)
+        call = parse_call(raw, kind, self.codec, self.config, self.model, tenant)
         if call.stream:
             events = self._events(call)
             first = await anext(events)  # refusals surface as statuses, not half streams
@@ -121,9 +139,13 @@ class OpenAIApp(_Front):
     the L3 store is dropped at shutdown unless ``keep_store``."""
 
     def __init__(
-        self, config: DeploymentConfig, served_name: str = "", keep_store: bool = False
+        self,
+        config: DeploymentConfig,
+        served_name: str = "",
+        keep_store: bool = False,
+        keys: KeySpec = NO_KEYS,
     ) -> None:
-        super().__init__(config, served_name, keep_store)
+        super().__init__(config, served_name, keep_store, keys)
         self.deployment = Deployment.launch(config)
         self.engine = OpenAIEngine(self.deployment, self.codec)
 
@@ -144,9 +166,14 @@ class OpenAIIngress(_Front):
     by its router. The shared L3 store is dropped at shutdown unless ``keep_store``."""
 
     def __init__(
-        self, engine: Any, config: DeploymentConfig, served_name: str = "", keep_store: bool = False
+        self,
+        engine: Any,
+        config: DeploymentConfig,
+        served_name: str = "",
+        keep_store: bool = False,
+        keys: KeySpec = NO_KEYS,
     ) -> None:
-        super().__init__(config, served_name, keep_store)
+        super().__init__(config, served_name, keep_store, keys)
         self.engine = engine
 
     async def _respond(self, call: EngineCall) -> dict[str, Any]:
@@ -192,12 +219,14 @@ def serve_app(
     router: str = "cache",
     weights: dict[str, float] | None = None,
     ingresses: int = 1,
+    keys: KeySpec = NO_KEYS,
 ) -> Any:
     """The Serve application serving ``config``, ready for ``serve.run``: one replica
     (bundles for its ranks, ``max_ongoing_requests`` from its limits), or with
     ``replicas`` > 1 ``ingresses`` ingress replicas in front of that many engine replicas,
     each with its own ranks, routed by ``router`` (:mod:`actors.routing`; ``weights``: the
-    cache router's; every ingress replica routes with its own router instance)."""
+    cache router's; every ingress replica routes with its own router instance). ``keys``:
+    the API keys the HTTP door asks for (none: every caller is let in)."""
     from actors.routing import EngineReplica, router_config
 
     bundles = [
@@ -217,7 +246,7 @@ def serve_app(
         one: Any = serve.deployment(
             OpenAIApp, name="hicache-openai", max_ongoing_requests=ongoing, **placed
         )
-        return one.bind(config, served_name, keep_store)
+        return one.bind(config, served_name, keep_store, keys)
     routing = router_config(router, config.name, config, weights or {})
     if routing is not None:  # pow2: Serve's default router
         placed["request_router_config"] = routing
@@ -235,7 +264,7 @@ def serve_app(
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=ongoing * replicas,
     )
-    return ingress.bind(engine.bind(config, config.name), config, served_name, keep_store)
+    return ingress.bind(engine.bind(config, config.name), config, served_name, keep_store, keys)
 
 
 def build_app(args: dict[str, str]) -> Any:
@@ -243,10 +272,12 @@ def build_app(args: dict[str, str]) -> Any:
     ``hicache-ray serve``): ``model`` (a preset or a checkpoint directory), ``tp``, ``pp``,
     ``storage`` (``ray``, ``file`` or ``none``), ``storage_root``, ``store``,
     ``device_tokens``, ``page_size``, ``served_name``, ``keep_store``, ``max_queued``,
-    ``replicas``, ``router``, ``ingresses``, ``route_weights``."""
+    ``replicas``, ``router``, ``ingresses``, ``route_weights``, ``api_keys``,
+    ``api_key_sha256``."""
     from hicache_ray.serving.serve_options import (
         serve_deployment_config,
         serve_ingresses,
+        serve_keys,
         serve_replicas,
     )
 
@@ -254,4 +285,5 @@ def build_app(args: dict[str, str]) -> Any:
     replicas, router, weights = serve_replicas(args)
     config = serve_deployment_config(args)
     served = args.get("served_name", "")
-    return serve_app(config, served, keep, replicas, router, weights, serve_ingresses(args))
+    keys = serve_keys(args)
+    return serve_app(config, served, keep, replicas, router, weights, serve_ingresses(args), keys)

@@ -40,6 +40,7 @@ from hicache_ray.serving.openai.protocol import (
     usage,
 )
 from hicache_ray.serving.openai.text import IncrementalText, TextCodec
+from hicache_ray.serving.tenants import Tenant, request_salt
 
 __all__ = ["ChatCall", "CompletionCall", "EngineCall", "OpenAIEngine", "parse_call"]
 
@@ -110,8 +111,10 @@ def parse_call(
     codec: TextCodec,
     config: DeploymentConfig,
     model: str,
+    tenant: Tenant | None = None,
 ) -> EngineCall:
-    """The call of an HTTP body; raises :class:`OpenAIError` (4xx) for a bad one."""
+    """The call of an HTTP body from ``tenant`` (None: a door without keys); raises
+    :class:`OpenAIError` (4xx) for a bad one."""
     body = decode_body(raw, kind)
     if body.model != model:
         raise OpenAIError(
@@ -141,7 +144,9 @@ def parse_call(
     sampling = SamplingParams(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
     )
-    request = GenerateRequest(new_id("chatcmpl" if chat else "cmpl"), tokens, max_new, sampling)
+    salt = request_salt(config.cache.storage.tenant_salt, tenant, body.cache_salt or "")
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    request = GenerateRequest(rid, tokens, max_new, sampling, cache_salt=salt)
     include = body.stream_options is not None and body.stream_options.include_usage
     common: dict[str, Any] = {
         "request": request,

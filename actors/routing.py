@@ -211,7 +211,8 @@ class CacheAwareRouter(RequestRouter):
     """Sends a call where its prefill would end first (see the module docstring)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        """``app`` (the index's name), ``page_size``, ``salt`` (the L3 keys' tenant salt),
+        """``app`` (the index's name), ``page_size``, ``salt`` (the deployment's tenant salt:
+        a call's own ``cache_salt`` names its pages when it has one),
         the :class:`RouteWeights` ``l1``, ``l2``, ``l3``, ``load``, ``call``, ``room``,
         ``hold_s``, and ``wait_s``: how long a decision waits for the index before it
         routes by the work pending alone."""
@@ -241,7 +242,8 @@ class CacheAwareRouter(RequestRouter):
         request = getattr(call, "request", None)
         tokens = getattr(request, "tokens", None)
         if len(candidate_replicas) > 1 and tokens and self._page_size:
-            hashes = page_hashes(tokens, self._page_size, salt=self._salt or None)
+            salt = getattr(request, "cache_salt", "") or self._salt  # the call's tenant
+            hashes = page_hashes(tokens, self._page_size, salt=salt or None)
             ranked = await self._held(candidate_replicas, len(tokens), hashes)
             best, cost = ranked[0]
             if pending_request is not None:

@@ -168,19 +168,8 @@ def _deployment_benches(bsub: Any) -> None:
     trace.add_argument("--quick", action="store_true", help="30 requests, tiny model (smoke)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-ray", description=__doc__, formatter_class=_Help)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = _command(
-        sub,
-        "demo",
-        "the main job: multi-turn chats on a TP=2 deployment continued on TP=4 from L3, each "
-        "beside a no-cache baseline, on an embedded local Ray",
-        "experiment",
-        "options",
-    )
-    add_experiment_flags(demo, demo=True)
+def _serve_flags(sub: Any) -> None:
+    """``hicache-ray serve``: every serve option, the keys, and the HTTP address."""
     serve = _command(
         sub,
         "serve",
@@ -195,12 +184,36 @@ def _parser() -> argparse.ArgumentParser:
             required=name == "model",
             help=f"{text} [{default}]" if default else text,
         )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key calls must send (Authorization: Bearer KEY), a tenant of its own; "
+        "repeatable; also read from $HICACHE_RAY_API_KEY",
+    )
     serve.add_argument("--served-name", default="", help="the model name clients use")
     serve.add_argument("--keep-store", action="store_true", help="keep the L3 store at exit")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP address to bind")
     serve.add_argument("--port", type=positive_int, default=8000, help="HTTP port")
     serve.add_argument("--address", default="", help="Ray cluster (default: a local Ray)")
     serve.set_defaults(prepare="serve_app")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-ray", description=__doc__, formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = _command(
+        sub,
+        "demo",
+        "the main job: multi-turn chats on a TP=2 deployment continued on TP=4 from L3, each "
+        "beside a no-cache baseline, on an embedded local Ray",
+        "experiment",
+        "options",
+    )
+    add_experiment_flags(demo, demo=True)
+    _serve_flags(sub)
     stats = _command(
         sub, "stats", "JSON of every deployment's ranks and L3 store in a cluster", "stats"
     )

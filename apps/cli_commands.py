@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +100,12 @@ def serve_app(args: argparse.Namespace) -> Any:
     from apps.cli_args import SERVE_OPTIONS
 
     given = {k: str(v) for k in SERVE_OPTIONS if (v := getattr(args, k)) is not None}
+    keys = [*args.api_key, *filter(None, [os.environ.get("HICACHE_RAY_API_KEY", "")])]
+    if keys:  # the keys stay here: the app is told their digests
+        from hicache_ray.serving.tenants import key_digest
+
+        digests = [key_digest(k) for k in keys] + [given.get("api_key_sha256", "")]
+        given["api_key_sha256"] = ",".join(filter(None, digests))
     if args.served_name:
         given["served_name"] = args.served_name
     given["keep_store"] = str(args.keep_store)
@@ -332,6 +339,15 @@ def _emit(args: argparse.Namespace, found: Any) -> None:
     print(text)
 
 
+def _door_note(given: dict[str, str], host: str) -> str:
+    """What the start-up says about who may call the server."""
+    if given.get("api_key_sha256") or given.get("api_keys"):
+        return "calls need an API key (Authorization: Bearer KEY); each tenant has its own cache"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return f"no API key: bound to {host} only (give --api-key to serve other machines)"
+    return f"WARNING: no API key and bound to {host}: anyone who reaches it can call it"
+
+
 def serve(args: argparse.Namespace, prepared: Any) -> int:
     import signal
     import threading
@@ -353,6 +369,7 @@ def serve(args: argparse.Namespace, prepared: Any) -> int:
         ray_serve.start(http_options={"host": args.host, "port": args.port})
         ray_serve.run(app, name="hicache-openai", route_prefix="/")
         _log(f"serving {given['model']} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+        _log(_door_note(given, args.host))
         stop.wait()
         _log("shutting down")
     finally:

@@ -1,9 +1,21 @@
-"""Helpers of the Ray tests: object-store usage and bounded waits."""
+"""Helpers shared by the suites: a fake clock; for the Ray tests, object-store usage and
+bounded waits."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+
+class FakeClock:
+    """A clock that stands still until a test moves ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
 
 RAY_CPUS = 8  # logical CPUs of the shared local Ray (a TP=4 and a TP=2 deployment fit)
 

@@ -124,8 +124,7 @@ class CacheEvents:
     """The journal of one tree (attach with ``tree.observer = journal``).
 
     Args:
-        tree: the tree it describes.
-        salt: the tenant salt of the L3 keys ("" for none).
+        tree: the tree it describes (its roots' salts name the pages: the L3 keys').
         keep_batches: batches kept for subscribers that fall behind.
         clock: wall-clock seconds (the batches' ``ts``).
     """
@@ -133,13 +132,11 @@ class CacheEvents:
     def __init__(
         self,
         tree: HiRadixTree,
-        salt: str = "",
         *,
         keep_batches: int = 256,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._tree = tree
-        self._salt = salt
         self._clock = clock
         self.epoch = uuid.uuid4().hex
         self._pending: list[Event] = [AllBlocksCleared()]
@@ -166,13 +163,13 @@ class CacheEvents:
         hashes = self._hashes(node)
         parent = node.parent
         prior = None
-        if parent is not None and parent is not self._tree.root:
+        if parent is not None and not parent.is_root:
             prior = self._hashes(parent)[-1]
         medium = tier if isinstance(tier, str) else MEDIUM[tier]
         return BlockStored(list(hashes), prior, [], self._tree.page_size, medium=medium)
 
     def _hashes(self, node: TreeNode) -> list[str]:
-        return node_page_hashes(node, self._tree.root, self._tree.page_size, self._salt)
+        return node_page_hashes(node, self._tree.page_size, self._tree.roots.salt_of)
 
     # -------------------------------------------------------------- publishing
 

@@ -27,6 +27,7 @@ class CacheHandle:
         device_pages: device pages of the cached prefix, then of reserved tokens, in order.
         num_cached_tokens: tokens whose KV is (or is being loaded) on the device.
         device_hit_tokens / host_hit_tokens: where the cached prefix came from.
+        salt: the request's cache salt (the tree root it matched under and inserts into).
     """
 
     key: bytes
@@ -43,6 +44,7 @@ class CacheHandle:
     num_tokens: int = 0  # tokens with a device slot: cached plus reserved
     finished: bool = False
     prompt_key: bytes = b""
+    salt: str = ""
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_cached_tokens

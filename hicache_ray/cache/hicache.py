@@ -62,7 +62,7 @@ class HiCache:
         self.device_pool = DevicePool(kv, mem.num_device_pages, device)
         self.host_pool = HostPool(kv, host_pages, mem.mem_layout, layer_granule=mem.layer_granule)
         self.transfers = TransferEngine(self.device_pool, self.host_pool, num_copy_workers)
-        self.tree = HiRadixTree(self.page_size)
+        self.tree = HiRadixTree(self.page_size, config.storage.tenant_salt)
         self.rule = write_rule(config.write)
         self.counters = CacheStats()
         self._writes: list[tuple[Transfer, list[TreeNode]]] = []  # in flight, FIFO
@@ -80,10 +80,12 @@ class HiCache:
         *,
         limit_pages: int | None = None,
         extra_host_pages: list[int] | None = None,
+        salt: str = "",
     ) -> CacheHandle:
         """Match ``tokens``, lock the matched path and start loading its host part.
 
         Args:
+            salt: the request's cache salt (its root in the tree; ``""``: the deployment's).
             limit_pages: use at most this many leading pages of the match (the length the
                 ranks agreed on).
             extra_host_pages: host pages holding the KV of the pages right after the tree's
@@ -95,7 +97,7 @@ class HiCache:
         key = encode_tokens(tokens)
         if limit_pages is not None:
             key = key[: limit_pages * self.page_size * 4]
-        m = self.tree.match_prefix(key)
+        m = self.tree.match_prefix(key, salt=salt)
         self.tree.lock(m.best_match_node)
         for node in self.tree.path(m.last_device_node):
             if self.rule.wants_write(node):
@@ -108,6 +110,7 @@ class HiCache:
             host_hit_tokens=0,
             locked_node=m.best_match_node,
             loads=list(m.pending),  # type: ignore[arg-type]
+            salt=salt,
         )
         if m.host_hit_pages:
             self._load(handle, self.tree.path(m.best_match_node, stop=m.last_device_node))
@@ -167,7 +170,7 @@ class HiCache:
         if not key.startswith(handle.key[: handle.num_cached_tokens * 4]):
             raise ValueError("finish(): tokens do not start with the matched prefix")
         num_pages = min(len(key) // (4 * self.page_size), len(handle.device_pages))
-        result = self.tree.insert(key, handle.device_pages[:num_pages])
+        result = self.tree.insert(key, handle.device_pages[:num_pages], salt=handle.salt)
         spare = handle.device_pages[num_pages:]
         self.device_pool.allocator.free(result.duplicate_pages + spare)
         self._num_private_pages -= handle.num_reserved_pages
@@ -335,12 +338,10 @@ class HiCache:
             handle.num_reserved_pages -= len(handle.extra_pages)
             self._num_private_pages -= len(handle.extra_pages)
             handle.extra_pages = []
-        keep = handle.device_hit_tokens // self.page_size
-        handle.device_pages = handle.device_pages[:keep]
+        handle.device_pages = handle.device_pages[: handle.device_hit_tokens // self.page_size]
         handle.num_cached_tokens = handle.num_tokens = handle.device_hit_tokens
         handle.host_hit_tokens = 0
-        handle.loads = []
-        handle.loaded_nodes = []
+        handle.loads, handle.loaded_nodes = [], []
 
     def _write(self, nodes: list[TreeNode]) -> Transfer | None:
         """Start copying ``nodes`` (on device, no host copy) to the host; lock until done."""
@@ -382,9 +383,8 @@ class HiCache:
     # --------------------------------------------------------------- checking
 
     def check_integrity(self, held_host_pages: int = 0) -> None:
-        """Assert pool accounting: every used device page belongs to the tree or to a
-        handle, every used host page to the tree or to the ``held_host_pages`` its owner
-        holds outside it (a controller's running prefetches). The one accounting check."""
+        """Assert pool accounting: every used device page is the tree's or a handle's, every
+        used host page the tree's or one of ``held_host_pages`` (running prefetches')."""
         self.tree.check_integrity()
         self.device_pool.check_integrity()
         self.host_pool.check_integrity()

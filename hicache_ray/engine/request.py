@@ -40,6 +40,7 @@ __all__ = [
     "failed_result",
 ]
 
+MAX_SALT_CHARS = 1024  # GenerateRequest.cache_salt
 MAX_RID_CHARS = 256
 MAX_NEW_TOKENS = 1 << 20
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids are hashed as uint32
@@ -111,12 +112,18 @@ class GenerateRequest(msgspec.Struct, frozen=True):
             integer array is accepted and converted exactly).
         max_new_tokens: tokens to generate, an ``int`` in ``[0, 2**20]``.
         sampling: greedy by default (see :class:`SamplingParams`).
+        cache_salt: the request's cache namespace (vLLM's and SGLang's ``cache_salt``): a
+            ``str`` of at most 1,024 characters. Requests of one salt share cached prefixes
+            in every tier and never reach another salt's; ``""`` (the default) is the
+            deployment's own (``StorageConfig.tenant_salt``). It names the L3 pages as
+            SGLang's ``cache_salt`` does. The HTTP door sets it per tenant.
     """
 
     rid: str
     tokens: list[int]
     max_new_tokens: int = 16
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    cache_salt: str = ""
 
 
 class TTFTSplit(msgspec.Struct, kw_only=True):
@@ -312,7 +319,14 @@ def check_request(request: object) -> GenerateRequest:
     max_new = int(max_new)
     if not 0 <= max_new <= MAX_NEW_TOKENS:
         raise RequestError("max_new_tokens", f"{max_new} is outside [0, {MAX_NEW_TOKENS}]")
-    return GenerateRequest(rid, tokens, max_new, _check_sampling(request.sampling))
+    salt = request.cache_salt
+    if type(salt) is not str:
+        raise RequestError(
+            "cache_salt", f"expected a str, got {type(salt).__name__} {_describe(salt)}"
+        )
+    if len(salt) > MAX_SALT_CHARS:
+        raise RequestError("cache_salt", f"has {len(salt)} characters, at most {MAX_SALT_CHARS}")
+    return GenerateRequest(rid, tokens, max_new, _check_sampling(request.sampling), salt)
 
 
 def _check_sampling(params: object) -> SamplingParams:

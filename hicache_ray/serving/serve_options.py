@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from hicache_ray.base.config import CacheConfig, MemoryConfig, SchedulerConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
+from hicache_ray.serving.tenants import ApiKeys, KeySpec
 
 if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
     from hicache_ray.engine.spec import DeploymentConfig
@@ -19,6 +20,7 @@ __all__ = [
     "SERVE_OPTIONS",
     "serve_deployment_config",
     "serve_ingresses",
+    "serve_keys",
     "serve_replicas",
 ]
 
@@ -47,6 +49,16 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
         "1",
         "HTTP ingress replicas in front of the engine replicas (replicas > 1); each routes "
         "with its own router instance, as several gateways would",
+    ),
+    "api_keys": (
+        "",
+        "a keys file: one 'KEY TENANT [quota=BYTES]' per line; calls need "
+        "'Authorization: Bearer KEY' (401 without); read again when it changes",
+    ),
+    "api_key_sha256": (
+        "",
+        "comma-separated SHA-256 hex digests of keys, each its own tenant (what --api-key "
+        "passes; the keys themselves never leave the CLI)",
     ),
     "route_weights": (
         "",
@@ -115,6 +127,20 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
         cpus_per_rank=float(_number("cpus_per_rank", opts["cpus_per_rank"], float)),
         gpus_per_rank=int(_number("gpus_per_rank", opts["gpus_per_rank"], int)),
     )
+
+
+def serve_keys(args: dict[str, str]) -> KeySpec:
+    """The API keys of the serve options ``args`` (the keys file is read once here, so a
+    bad one stops the start)."""
+    digests = tuple(d.strip().lower() for d in args.get("api_key_sha256", "").split(",") if d)
+    for d in digests:
+        if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
+            raise ConfigError("api_key_sha256", d, "not a SHA-256 hex digest", "give 64 hex digits")
+    path = args.get("api_keys", "")
+    if path:
+        path = os.path.abspath(path)
+        ApiKeys((), path)  # raises ConfigError naming the line
+    return KeySpec(digests, path)
 
 
 def serve_ingresses(args: dict[str, str]) -> int:

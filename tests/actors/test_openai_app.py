@@ -1,6 +1,7 @@
 """The OpenAI-compatible Serve app over a real (tiny, random) Qwen3 checkpoint, driven with
 the official ``openai`` client on 127.0.0.1: models, a multi-turn chat whose follow-up
-reports cached tokens, streaming, completions, and every error status."""
+reports cached tokens, streaming, completions, every error status, and API keys with a
+cache per tenant (the app runs with a keys file and one ``--api-key`` digest)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ pytest.importorskip("transformers")
 ray = pytest.importorskip("ray")
 
 STORE = "openai-test"
+KEYS = {"alice-key-1": "alice", "alice-key-2": "alice", "bob-key-111": "bob"}
+SOLO = "solo-key-000"  # given as a digest, as ``--api-key`` does: a tenant of its own
 
 
 def _free_port() -> int:
@@ -39,9 +42,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path
 
     from actors.openai_app import build_app
     from actors.stores import store_exists
+    from hicache_ray.serving.tenants import key_digest
 
     ensure_local_ray()
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("openai") / "qwen3", "qwen3")
+    keys = checkpoint.parent / "keys.txt"
+    keys.write_text("# key tenant\n" + "".join(f"{k} {t}\n" for k, t in KEYS.items()))
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
@@ -51,6 +57,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path
         "page_size": "4",
         "max_queued": "1",
         "store": STORE,
+        "api_keys": str(keys),
+        "api_key_sha256": key_digest(SOLO),
     }
     try:
         serve.run(build_app(args), name="openai", route_prefix="/")
@@ -60,8 +68,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path
     assert not store_exists(STORE)  # the app dropped its L3 store when it shut down
 
 
-def _client(port: int) -> Any:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+def _client(port: int, key: str = "alice-key-1") -> Any:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
 
 
 def test_models_and_a_multi_turn_chat_with_cached_tokens(server: tuple[int, Path]) -> None:
@@ -126,10 +134,13 @@ def test_completions_with_text_token_ids_and_stop(server: tuple[int, Path]) -> N
         )
 
 
-def _post(port: int, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": "application/json"}
-    )
+def _post(
+    port: int, path: str, body: bytes | None, key: str | None = "alice-key-1"
+) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=120) as answer:
             return answer.status, json.loads(answer.read())
@@ -195,6 +206,51 @@ def test_every_error_status(server: tuple[int, Path]) -> None:
     statuses = [status for status, _ in answers]
     assert statuses.count(503) >= 3 and statuses.count(200) >= 2, statuses
     assert all(retry == "1" for status, retry in answers if status == 503), answers
+
+
+def test_a_call_without_a_valid_key_is_refused_before_any_work(server: tuple[int, Path]) -> None:
+    port, _ = server
+    body = b'{"model": "qwen3", "prompt": "x"}'
+    for key in (None, "", "wrong-key-000", "alice-key-1x"):
+        for path, raw in (("/v1/completions", body), ("/v1/models", None), ("/v1/x", b"bad")):
+            status, answer = _post(port, path, raw, key)
+            assert status == 401, (key, path)
+            error = answer["error"]
+            assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+            assert "alice" not in error["message"]
+    for key in (None, "wrong-key-000"):  # a stream too: refused with a status, no events
+        with pytest.raises(openai.AuthenticationError):
+            for _ in _client(port, key or "-").completions.create(
+                model="qwen3", prompt="x", max_tokens=2, stream=True
+            ):
+                pass
+    status, _ = _post(port, "/v1/models", None, SOLO)
+    assert status == 200
+
+
+def test_tenants_never_share_cached_tokens(server: tuple[int, Path]) -> None:
+    """One prompt sent by alice twice (two keys, one tenant), then by bob, the solo key,
+    and alice under a cache_salt of her own: only alice's second call hits."""
+    port, _ = server
+    prompt = list(range(200, 240))
+
+    def cached(key: str, **extra: Any) -> int:
+        answer = _client(port, key).completions.create(
+            model="qwen3", prompt=prompt, max_tokens=1, extra_body=extra or None
+        )
+        return int(answer.usage.prompt_tokens_details.cached_tokens)
+
+    assert cached("alice-key-1") == 0
+    hit = cached("alice-key-2")  # her other key: the same tenant
+    assert hit >= 32
+    assert cached("bob-key-111") == 0
+    assert cached(SOLO) == 0
+    assert cached("alice-key-1", cache_salt="mine") == 0
+    assert cached("alice-key-1", cache_salt="mine") == hit
+    status, answer = _post(
+        port, "/v1/completions", b'{"model": "qwen3", "prompt": "x", "cache_salt": "a\u0000b"}'
+    )
+    assert status == 400 and answer["error"]["param"] == "cache_salt"
 
 
 def _rank_actor(rank: int) -> Any:

@@ -25,16 +25,6 @@ from tests.controller.driven import Driven
 PAGE = 4
 
 
-class FakeClock:
-    """A clock that stands still until a test moves ``now``."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def controller_config(
     *,
     device_tokens: int = 128,

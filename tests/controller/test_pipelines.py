@@ -10,7 +10,6 @@ from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (
     PAGE,
-    FakeClock,
     check_pages,
     controller_config,
     drain,
@@ -19,6 +18,7 @@ from tests.controller.helpers import (
     run_request,
     stored,
 )
+from tests.helpers import FakeClock
 
 KV = make_kv(page_size=PAGE)
 

@@ -13,7 +13,6 @@ from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (
     PAGE,
-    FakeClock,
     check_pages,
     controller_config,
     drain,
@@ -21,6 +20,7 @@ from tests.controller.helpers import (
     prompt,
     stored,
 )
+from tests.helpers import FakeClock
 
 KV = make_kv(page_size=PAGE)
 

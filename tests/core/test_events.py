@@ -49,8 +49,8 @@ class _Replica:
     """A tree with its journal, its page ids from a counter."""
 
     def __init__(self) -> None:
-        self.tree = HiRadixTree(PAGE)
-        self.journal = CacheEvents(self.tree, SALT)
+        self.tree = HiRadixTree(PAGE, SALT)
+        self.journal = CacheEvents(self.tree)
         self.tree.observer = self.journal
         self.ids = itertools.count()
 
@@ -79,7 +79,7 @@ class _Replica:
         """The page hashes the tree holds, per medium (from a walk, not from events)."""
         out: dict[str, set[str]] = {"GPU": set(), "CPU": set()}
         for node in self.tree.nodes():
-            hashes = node_page_hashes(node, self.tree.root, PAGE, SALT)
+            hashes = node_page_hashes(node, PAGE, self.tree.roots.salt_of)
             if node.device_pages is not None:
                 out["GPU"].update(hashes)
             if node.host_pages is not None:

@@ -4,6 +4,8 @@ import pytest
 
 from hicache_ray.base.tokens import decode_tokens, encode_tokens
 from hicache_ray.cache.tree import HiRadixTree
+from hicache_ray.cache.tree.node_hashes import node_page_hashes
+from hicache_ray.keys.page_hash import page_hashes
 
 P = 2  # page size: small so splits are easy to write down
 
@@ -190,3 +192,22 @@ def test_insert_host_adds_refills_under_the_prefix_and_reports_duplicates() -> N
     with pytest.raises(ValueError, match="not in the tree"):
         tree.insert_host([9] * (4 * P), 1, [40])
     tree.check_integrity()
+
+
+def test_each_salt_has_its_own_root_and_names_its_pages_with_it() -> None:
+    t = HiRadixTree(P, "deployment")
+    t.insert(toks(1, 1, 2, 2), [0, 1])
+    t.insert(toks(1, 1, 2, 2), [2, 3], salt="alice")
+    assert t.match_prefix(toks(1, 1, 2, 2), salt="bob").device_pages == []
+    assert t.match_prefix(toks(1, 1, 2, 2), salt="alice").device_pages == [2, 3]
+    assert t.match_prefix(toks(1, 1, 2, 2), salt="deployment").device_pages == [0, 1]
+    assert len(t.roots) == 1  # bob's match created no root
+    mine = t.match_prefix(toks(1, 1, 2, 2), salt="alice").last_device_node
+    ours = t.match_prefix(toks(1, 1, 2, 2)).last_device_node
+    names = t.roots.salt_of
+    assert node_page_hashes(mine, P, names) == page_hashes(toks(1, 1, 2, 2), P, salt="alice")
+    assert node_page_hashes(ours, P, names) == page_hashes(toks(1, 1, 2, 2), P, salt="deployment")
+    t.check_integrity()
+    assert sorted(t.evict_device(10)) == [0, 1, 2, 3]  # one LRU over both roots
+    assert len(t.roots) == 0  # alice's emptied root is gone
+    t.check_integrity()

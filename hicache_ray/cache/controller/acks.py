@@ -24,11 +24,10 @@ class Acknowledger:
     """Turns agreed counts into acknowledged writes and backups on one rank."""
 
     def __init__(
-        self, cache: HiCache, backup: BackupPipeline | None, salt: str, stats: ControllerStats
+        self, cache: HiCache, backup: BackupPipeline | None, stats: ControllerStats
     ) -> None:
         self._cache = cache
         self._backup = backup
-        self._salt = salt
         self._stats = stats
         self._writes_acked = 0
         self._backups: list[BackupTask] = []  # submitted, not acknowledged; FIFO
@@ -99,7 +98,7 @@ class Acknowledger:
             return
         chain = []
         ancestor = node
-        while ancestor is not tree.root and ancestor.backup in retry:
+        while not ancestor.is_root and ancestor.backup in retry:
             if not ancestor.backed_up:
                 node.backup = BackupMark.WAITING
                 self._stats.backup_skipped_gap += 1
@@ -107,7 +106,7 @@ class Acknowledger:
             chain.append(ancestor)
             assert ancestor.parent is not None
             ancestor = ancestor.parent
-        parent_task = None if ancestor is tree.root else ancestor.backup
+        parent_task = None if ancestor.is_root else ancestor.backup
         assert parent_task is None or isinstance(parent_task, BackupTask)
         for n in reversed(chain):
             task = BackupTask(n, self._hashes(n), list(n.host_pages or ()), parent_task)
@@ -142,4 +141,4 @@ class Acknowledger:
     def _hashes(self, node: TreeNode) -> list[str]:
         """Page hashes of ``node`` (chained from the root), cached on the nodes."""
         cache = self._cache
-        return node_page_hashes(node, cache.tree.root, cache.page_size, self._salt)
+        return node_page_hashes(node, cache.page_size, cache.tree.roots.salt_of)

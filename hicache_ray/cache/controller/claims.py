@@ -211,7 +211,7 @@ class Claims:
         tree = self._cache.tree
         key = encode_tokens(arrival.tokens)
         whole = len(arrival.tokens) // ps
-        m = tree.match_prefix(key, count_hit=False)
+        m = tree.match_prefix(key, salt=arrival.cache_salt, count_hit=False)
         tree.lock(m.best_match_node)
         cached = len(m.device_pages) + m.host_hit_pages
         c = PrefixClaim(arrival, key, whole * ps * TOKEN_BYTES, m.best_match_node, cached)
@@ -219,7 +219,8 @@ class Claims:
         prefetch = self._config.prefetch
         past = len(arrival.tokens) - cached * ps
         if self._prefetch is not None and whole > cached and past >= prefetch.threshold_tokens:
-            c.task = FetchTask(c.key, whole, cached, self._config.storage.tenant_salt)
+            salt = arrival.cache_salt or self._config.storage.tenant_salt
+            c.task = FetchTask(c.key, whole, cached, salt)
             self._tasks.add(c.task)
             self._prefetch.submit_query(c.task)
             if prefetch.policy == "timeout":
@@ -272,17 +273,19 @@ class Claims:
         dropped = None
         if useful:
             assert c.task is not None
-            unbacked = c.node is not tree.root and not c.node.backed_up
+            unbacked = not c.node.is_root and not c.node.backed_up
             if self._config.write.policy == "write_through" and unbacked:
                 dropped = useful  # the host tier must stay a superset of the device tier
                 self._stats.refills_dropped += 1
             else:
-                result = tree.insert_host(c.key, c.task.read_start, useful)
+                salt = c.arrival.cache_salt
+                result = tree.insert_host(c.key, c.task.read_start, useful, salt=salt)
                 cache.host_pool.allocator.free(result.duplicate_pages)
                 for node in result.new_nodes + result.adopted_nodes:
                     node.backup = BackupTask.already_stored(node)  # children may be stored
             self._stats.storage_hit_tokens += len(useful) * self._page_size
-        handle = cache.match(c.key, limit_pages=ready, extra_host_pages=dropped)
+        salt = c.arrival.cache_salt
+        handle = cache.match(c.key, limit_pages=ready, extra_host_pages=dropped, salt=salt)
         handle.prompt_key = c.prompt_key
         handle.storage_hit_tokens = len(useful) * self._page_size
         tree.unlock(c.node)

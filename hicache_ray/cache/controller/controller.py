@@ -131,8 +131,7 @@ class CacheController:
             threads = config.storage.read_threads
             self.prefetch = PrefetchPipeline(storage, self.plan, host, batch, threads)
             self.backup = BackupPipeline(storage, self.plan, host, batch)
-        salt = config.storage.tenant_salt
-        self.acks = Acknowledger(self.cache, self.backup, salt, self.counters)
+        self.acks = Acknowledger(self.cache, self.backup, self.counters)
         self.claims = Claims(
             self.cache, config, self.prefetch, self.counters, self.note_failure, clock
         )
@@ -255,8 +254,7 @@ class CacheController:
         """Journal this rank's tree as cache events (one batch per step that changed it;
         :mod:`hicache_ray.cache.events`); the last ``keep_batches`` batches stay readable."""
         if self.events is None:
-            salt = self.config.storage.tenant_salt
-            self.events = CacheEvents(self.cache.tree, salt, keep_batches=keep_batches)
+            self.events = CacheEvents(self.cache.tree, keep_batches=keep_batches)
             self.cache.tree.observer = self.events
         return self.events
 

@@ -36,7 +36,7 @@ __all__ = ["Arrival", "ArrivalLike", "Header", "StepBroadcast", "StepCodec"]
 
 
 class ArrivalLike(Protocol):
-    """What the controller reads of an arrival: its id and its prompt."""
+    """What the controller reads of an arrival: its id, its prompt and its cache salt."""
 
     @property
     def rid(self) -> str: ...
@@ -44,14 +44,19 @@ class ArrivalLike(Protocol):
     @property
     def tokens(self) -> list[int]: ...
 
+    @property
+    def cache_salt(self) -> str: ...
+
 
 class Arrival(msgspec.Struct, frozen=True):
-    """The smallest arrival: a request id (unique among those in flight) and its prompt's
-    token ids. A scheduler broadcasts its own request struct instead (its controller's
-    ``arrival_type``), so every rank gets the whole request from one decode."""
+    """The smallest arrival: a request id (unique among those in flight), its prompt's
+    token ids and its cache salt (``""``: the deployment's). A scheduler broadcasts its own
+    request struct instead (its controller's ``arrival_type``), so every rank gets the
+    whole request from one decode."""
 
     rid: str
     tokens: list[int]
+    cache_salt: str = ""
 
 
 A = TypeVar("A")

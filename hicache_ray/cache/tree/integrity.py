@@ -22,16 +22,16 @@ class Tally:
     host_leaves: set[TreeNode] = field(default_factory=set)
 
 
-def check_tree(root: TreeNode, page_size: int) -> Tally:
-    """Assert every invariant in the radix tree's module docstring below ``root``; the
-    counts, for the caller to compare with its counters."""
+def check_tree(roots: list[TreeNode], page_size: int) -> Tally:
+    """Assert every invariant in the radix tree's module docstring below ``roots`` (no
+    page is in two of them); the counts, for the caller to compare with its counters."""
     page = page_size * TOKEN_BYTES
     device_total = host_total = count = 0
     seen_device: set[int] = set()
     seen_host: set[int] = set()
     device_leaves: set[TreeNode] = set()
     host_leaves: set[TreeNode] = set()
-    stack = [root]
+    stack = list(roots)
     while stack:
         node = stack.pop()
         lock_sum = host_lock_sum = 0
@@ -43,10 +43,11 @@ def check_tree(root: TreeNode, page_size: int) -> Tally:
             host_lock_sum += child.host_lock_ref
             device_children += child.device_pages is not None
             stack.append(child)
-        assert node is root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
-        assert node is root or node.host_lock_ref >= host_lock_sum, f"{node}: host lock"
+        root = node.is_root
+        assert root or node.lock_ref >= lock_sum, f"{node}: lock below children's"
+        assert root or node.host_lock_ref >= host_lock_sum, f"{node}: host lock"
         assert node.num_device_children == device_children, f"{node}: device child count"
-        if node is root:
+        if root:
             continue
         count += 1
         pages = len(node.key) // page
@@ -57,7 +58,7 @@ def check_tree(root: TreeNode, page_size: int) -> Tally:
         assert parent is not None
         if node.device_pages is not None:
             assert len(node.device_pages) == pages, f"{node}: device page count"
-            assert parent is root or parent.device_pages is not None, (
+            assert parent.is_root or parent.device_pages is not None, (
                 f"{node}: on device under an evicted parent"
             )
             assert seen_device.isdisjoint(node.device_pages), f"{node}: device page reused"

@@ -153,6 +153,11 @@ class TreeNode:
         return self.device_pages if tier is Tier.DEVICE else self.host_pages
 
     @property
+    def is_root(self) -> bool:
+        """A root of the tree (one per tenant salt): the only nodes with an empty key."""
+        return not self.key
+
+    @property
     def evicted(self) -> bool:
         return self.device_pages is None
 

@@ -11,17 +11,21 @@ Invariants (checked by :meth:`HiRadixTree.check_integrity`):
     never evicted from either tier; ``host_lock_ref`` likewise, from the host tier only
     (a backup reads the host copy; the device copy may go meanwhile);
   * a non-root node without children holds KV in some tier (dead leaves are deleted).
+
+Tenants: each cache salt (``salt=`` of match, insert, insert_host) has a root of its own
+(:mod:`~hicache_ray.cache.tree.roots`), so two salts never share a node, a page or a hit;
+the pools and their LRU are shared.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterator, Sequence
 
 from hicache_ray.base.tokens import TOKEN_BYTES, TokenIds, encode_tokens
-from hicache_ray.cache.tree.eviction import lru_batch
+from hicache_ray.cache.tree.eviction import evict_device_lru, evict_host_lru
 from hicache_ray.cache.tree.integrity import Tally, check_tree
 from hicache_ray.cache.tree.node import SILENT, InsertResult, MatchResult, Pending, Tier, TreeNode
+from hicache_ray.cache.tree.roots import Roots
 from hicache_ray.cache.tree.tokens import common_pages
 
 __all__ = ["HiRadixTree"]
@@ -30,14 +34,12 @@ __all__ = ["HiRadixTree"]
 class HiRadixTree:
     """Radix tree over token pages with a device value and a host value per node."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, salt: str = "") -> None:
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES  # one page of key bytes
-        self.root = TreeNode(0, b"", None)
-        self.root.device_pages = []
-        self.root.host_pages = []
-        self.root.lock_ref = 1  # never evicted
         self._next_id = 1
+        self.roots = Roots(salt)
+        self.root = self.roots.default
         self._clock = 0
         self._device_leaves: set[TreeNode] = set()  # on device, no child on device
         self._host_leaves: set[TreeNode] = set()  # not on device, no children
@@ -48,8 +50,10 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ queries
 
-    def match_prefix(self, tokens: TokenIds, *, count_hit: bool = True) -> MatchResult:
-        """Longest cached prefix of ``tokens`` (whole pages only).
+    def match_prefix(
+        self, tokens: TokenIds, *, salt: str = "", count_hit: bool = True
+    ) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages only) under ``salt``'s root.
 
         Updates recency (and, with ``count_hit``, hit counts) of the matched nodes, and
         splits a node the match ends inside of (which changes no cached content).
@@ -59,10 +63,10 @@ class HiRadixTree:
         n = len(key) - len(key) % page
         self._clock += 1
         now = self._clock
-        node, pos = self.root, 0
+        node, pos = self.roots.of(salt), 0
         device_pages: list[int] = []
         pending: list[Pending] = []
-        last_device = last_host = best = self.root
+        last_device = last_host = best = node
         host_hit, on_device = 0, True
         while pos < n:
             found = self._step(node, key, pos, n, now, live_only=True)
@@ -85,9 +89,9 @@ class HiRadixTree:
         return MatchResult(device_pages, last_device, last_host, best, host_hit, pending)
 
     def path(self, node: TreeNode, stop: TreeNode | None = None) -> list[TreeNode]:
-        """Nodes from just below ``stop`` (default: the root) down to ``node``, in order."""
-        out, stop = [], stop or self.root
-        while node is not stop and node is not self.root:
+        """Nodes from just below ``stop`` (default: its root) down to ``node``, in order."""
+        out = []
+        while node is not stop and not node.is_root:
             out.append(node)
             assert node.parent is not None
             node = node.parent
@@ -95,8 +99,8 @@ class HiRadixTree:
         return out
 
     def nodes(self) -> Iterator[TreeNode]:
-        """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
+        """Every node but the roots, parents before children."""
+        stack = [c for root in self.roots for c in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -104,8 +108,11 @@ class HiRadixTree:
 
     # ---------------------------------------------------------------- mutations
 
-    def insert(self, tokens: TokenIds, device_pages: Sequence[int]) -> InsertResult:
-        """Record that ``device_pages`` hold the KV of the first ``len(device_pages)`` pages.
+    def insert(
+        self, tokens: TokenIds, device_pages: Sequence[int], *, salt: str = ""
+    ) -> InsertResult:
+        """Record that ``device_pages`` hold the KV of the first ``len(device_pages)`` pages
+        (under ``salt``'s root).
 
         ``tokens`` must cover those pages; extra tokens are ignored.
         """
@@ -121,7 +128,7 @@ class HiRadixTree:
         self._clock += 1
         now = self._clock
         result = InsertResult()
-        node, pos = self.root, 0
+        node, pos = self.roots.of(salt, create=n > 0), 0
         while pos < n:
             first = pos // page
             found = self._step(node, key, pos, n, now)
@@ -142,10 +149,11 @@ class HiRadixTree:
         return result
 
     def insert_host(
-        self, tokens: TokenIds, start_page: int, host_pages: Sequence[int]
+        self, tokens: TokenIds, start_page: int, host_pages: Sequence[int], *, salt: str = ""
     ) -> InsertResult:
         """Record host-only KV (e.g. read from storage) for pages ``[start_page, start_page
-        + len(host_pages))`` of ``tokens``, whose first ``start_page`` pages are in the tree.
+        + len(host_pages))`` of ``tokens``, whose first ``start_page`` pages are in the tree
+        (under ``salt``'s root).
 
         Pages the tree already holds in some tier come back in ``duplicate_pages``; a
         node on the device without a host copy adopts the caller's pages as its host copy.
@@ -164,7 +172,7 @@ class HiRadixTree:
         self._clock += 1
         now = self._clock
         result = InsertResult()
-        node, pos = self.root, 0
+        node, pos = self.roots.of(salt, create=end > start), 0
         while pos < end:
             # a node straddling the start is split there, so adopted nodes start with it
             found = self._step(node, key, pos, start if pos < start else end, now)
@@ -193,7 +201,7 @@ class HiRadixTree:
     def lock(self, node: TreeNode, *, host_only: bool = False) -> None:
         """Protect ``node`` and its ancestors from eviction in both tiers; ``host_only``:
         from host eviction only (``node`` has a host copy; its device pages may go)."""
-        while node is not self.root:
+        while not node.is_root:
             if host_only:
                 node.host_lock_ref += 1
             else:
@@ -203,7 +211,7 @@ class HiRadixTree:
 
     def unlock(self, node: TreeNode, *, host_only: bool = False) -> None:
         """Undo one :meth:`lock` of ``node`` (the same ``host_only``)."""
-        while node is not self.root:
+        while not node.is_root:
             if (node.host_lock_ref if host_only else node.lock_ref) <= 0:
                 raise RuntimeError(f"unlock of {node} which is not locked")
             if host_only:
@@ -217,7 +225,8 @@ class HiRadixTree:
         """Give a host-only node a device copy (a load into ``pages``, maybe in flight)."""
         if node.device_pages is not None:
             raise RuntimeError(f"{node} is already on the device")
-        if node.parent is not self.root and node.parent is not None and node.parent.evicted:
+        parent = node.parent
+        if parent is not None and not parent.is_root and parent.evicted:
             raise RuntimeError(f"{node}: its parent is not on the device; load parents first")
         self._set_device(node, pages)
         node.device_pending = pending
@@ -270,33 +279,11 @@ class HiRadixTree:
         still has host-only children). Locked nodes are never evicted. Returns the freed
         device pages (possibly fewer than asked when too much is locked).
         """
-        heap = [(n.last_access, n.id, n) for n in self._device_leaves if not n.lock_ref]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        while len(freed) < num_pages and heap:
-            batch = lru_batch(heap, num_pages - len(freed), self.root)
-            if write_back is not None:
-                unwritten = [n for n in batch if n.host_pages is None]
-                if unwritten:
-                    write_back(unwritten)
-            for node in batch:  # children before their parents
-                freed.extend(self.clear_device(node))
-        return freed
+        return evict_device_lru(self._device_leaves, num_pages, self.clear_device, write_back)
 
     def evict_host(self, num_pages: int) -> list[int]:
         """Evict at least ``num_pages`` host pages from host-only leaves, LRU first."""
-        heap = [(n.last_access, n.id, n) for n in self._host_leaves if not n.host_locked]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        while len(freed) < num_pages and heap:
-            node = heapq.heappop(heap)[2]
-            if node.host_locked or node.device_pages is not None or node.children:
-                continue
-            parent = node.parent
-            freed.extend(self.clear_host(node))  # a host-only leaf: deleted with its copy
-            if parent is not None and parent in self._host_leaves and not parent.host_locked:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return freed
+        return evict_host_lru(self._host_leaves, num_pages, self.clear_host)
 
     # ----------------------------------------------------------------- internals
 
@@ -365,8 +352,9 @@ class HiRadixTree:
         self._refresh(parent)
 
     def _delete(self, node: TreeNode) -> None:
-        """Remove a childless node with no KV left in any tier; dead parents follow."""
-        while node is not self.root and node.dead and not node.children and not node.host_locked:
+        """Remove a childless node with no KV left in any tier; dead parents follow, and a
+        tenant's root that holds nothing more."""
+        while not node.is_root and node.dead and not node.children and not node.host_locked:
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[: self._page_bytes]]
@@ -376,10 +364,12 @@ class HiRadixTree:
             node.parent = None
             self._refresh(parent)
             node = parent
+        if node.is_root:
+            self.roots.forget_if_empty(node)
 
     def _refresh(self, node: TreeNode) -> None:
         """Recompute which leaf sets ``node`` belongs to."""
-        if node is self.root:
+        if node.is_root:
             return
         if node.device_pages is not None and not node.num_device_children:
             self._device_leaves.add(node)
@@ -394,7 +384,8 @@ class HiRadixTree:
 
     def check_integrity(self) -> None:
         """Assert every invariant in the module docstring and the page counters."""
-        counted = check_tree(self.root, self.page_size)
+        self.roots.check()
+        counted = check_tree(list(self.roots), self.page_size)
         kept = Tally(self.num_nodes, self.num_device_pages, self.num_host_pages)
         kept.device_leaves, kept.host_leaves = self._device_leaves, self._host_leaves
         assert counted == kept, f"the tree's counters differ from a walk: {kept} != {counted}"

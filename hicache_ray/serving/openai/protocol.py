@@ -6,7 +6,8 @@ naming it (no coercion: ``"4"`` is not a number, ``1.5`` is not an integer); fie
 server does not know are ignored, as OpenAI's own server ignores unknown ones; values it
 cannot honour (``n`` above 1, ``logprobs``) are refused. Every response field follows
 OpenAI's schema; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens
-served from the cache (L1, L2 or L3).
+served from the cache (L1, L2 or L3): the caller's own, since each tenant and each
+``cache_salt`` (vLLM's field) has a cache of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from hicache_ray.serving.tenants import check_cache_salt
 
 __all__ = [
     "ChatRequest",
@@ -80,6 +83,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     n: int = 1
     logprobs: bool | int | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: this call's cache namespace, within its tenant
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -118,6 +122,10 @@ def decode_body(data: bytes, kind: type[CompletionRequest] | type[ChatRequest]) 
         raise OpenAIError(400, "stop takes up to 4 non-empty strings", param="stop")
     if isinstance(body, ChatRequest) and not body.messages:
         raise OpenAIError(400, "messages is empty", param="messages")
+    try:
+        check_cache_salt(body.cache_salt or "")
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="cache_salt") from None
     return body
 
 
