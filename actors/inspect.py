@@ -25,8 +25,8 @@ _SHARD = re.compile(r"^hicache-l3-(?P<store>.+)-(?P<shard>\d+)$")
 def cluster_stats(timeout_s: float = 10.0) -> dict[str, Any]:
     """``{"deployments": {name: {"generation", "ranks": [{"rank", "health", "stats"}]}},
     "stores": {name: {"shards", "objects", "keys", "bytes", "capacity_bytes",
-    "evicted_objects"}}}``; a rank or shard that does not answer in ``timeout_s`` shows
-    its error instead."""
+    "evicted_objects", "quota_evicted_objects", "lost_objects", "adopting"}}}``; a rank or
+    shard that does not answer in ``timeout_s`` shows its error instead."""
     ranks: dict[str, dict[int, dict[int, str]]] = {}  # deployment -> generation -> rank -> name
     shards: dict[str, list[str]] = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -14,7 +14,10 @@ would cost about 0.6 ms per put here.
 The index maps key -> (object, item). Budget: ``capacity_bytes`` bounds the bytes of the
 objects this shard owns; a put evicts least recently used objects (whole objects: dropping
 the last reference is what frees object-store memory) until the new one fits. Lookups
-by ``locate`` refresh an object's recency. Methods run on several actor threads at once;
+by ``locate`` refresh an object's recency. A put names its pages' owner (a tenant, or
+``""``); an owner with a quota (:meth:`PageShard.set_quotas`) keeps at most that many
+bytes here: its own least recently used objects go first. Methods run on several actor
+threads at once;
 ``_lock`` guards the index, ``ray.put`` runs outside it.
 """
 
@@ -38,10 +41,11 @@ _ADOPT_TIMEOUT_S = 60.0  # a writer's object that cannot be fetched by then is l
 
 
 class _Object:
-    __slots__ = ("keys", "live", "nbytes", "owned", "ref", "stored_at")
+    __slots__ = ("keys", "live", "nbytes", "owned", "owner", "ref", "stored_at")
 
-    def __init__(self, ref: Any, nbytes: int, keys: list[str]) -> None:
+    def __init__(self, ref: Any, nbytes: int, keys: list[str], owner: str) -> None:
         self.ref = ref
+        self.owner = owner  # the tenant whose quota it counts against ("": none)
         self.nbytes = nbytes
         self.keys = keys  # item 2 * i holds keys[i]'s header, 2 * i + 1 its payload
         self.live = len(keys)  # keys still indexed to this object
@@ -66,6 +70,9 @@ class PageShard:
         self._index: dict[str, tuple[int, int]] = {}  # guarded: key -> (object id, item)
         self._sizes: dict[str, int] = {}  # guarded: key -> framed bytes
         self._bytes = 0  # guarded: bytes of the objects in _objects
+        self._owner_bytes: dict[str, int] = {}  # guarded: the same, per owner
+        self._quotas: dict[str, int] = {}  # guarded: owner -> most bytes here
+        self._quota_evicted = 0  # guarded
         self._evicted_objects = 0  # guarded
         self._lost_objects = 0  # guarded: writers' objects lost before they were adopted
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-adopt")
@@ -79,20 +86,24 @@ class PageShard:
         """The node this shard (and so its objects) lives on."""
         return str(ray.get_runtime_context().get_node_id())
 
-    def put(self, keys: list[str], sizes: list[int], holder: list[Any]) -> list[bool]:
+    def put(
+        self, keys: list[str], sizes: list[int], holder: list[Any], owner: str = ""
+    ) -> list[bool]:
         """Index the pages of the writer's object ``holder[0]`` (a list alternating each
-        key's framed header and payload; ``sizes`` their framed bytes); whether each key is
-        stored now (False only when the object cannot fit). Adopted in the background."""
+        key's framed header and payload; ``sizes`` their framed bytes), pages of ``owner``;
+        whether each key is stored now (False only when the object cannot fit the budget or
+        its owner's quota). Adopted in the background."""
         ref = holder[0]
         nbytes = sum(sizes)
         victims = []
         with self._lock:
             if all(key in self._index for key in keys):
                 return [True] * len(keys)
-            if self.capacity_bytes and nbytes > self.capacity_bytes:
-                return [key in self._index for key in keys]
+            quota = self._quotas.get(owner, 0)
+            if nbytes > (self.capacity_bytes or nbytes) or nbytes > (quota or nbytes):
+                return [key in self._index for key in keys]  # it can never fit
             oid = next(self._ids)
-            obj = _Object(ref, nbytes, list(keys))
+            obj = _Object(ref, nbytes, list(keys), owner)
             for i, key in enumerate(keys):
                 if key in self._index:  # stored already (by this or a concurrent writer)
                     obj.live -= 1
@@ -101,6 +112,8 @@ class PageShard:
                 self._sizes[key] = sizes[i]
             self._objects[oid] = obj
             self._bytes += nbytes
+            self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + nbytes
+            victims += self._over_quota(owner)
             while self.capacity_bytes and self._bytes > self.capacity_bytes:
                 victims.append(self._drop_lru())
             adopt = oid in self._objects
@@ -168,10 +181,42 @@ class PageShard:
         with self._pending_lock:
             return len(self._pending)
 
+    def set_quotas(self, quotas: dict[str, int]) -> None:
+        """Owner -> the most bytes of its objects this shard keeps (0 or absent: no quota);
+        replaces the table, and an owner over its new quota loses its least recently used
+        objects at once."""
+        with self._lock:
+            self._quotas = {o: int(q) for o, q in quotas.items() if q > 0}
+            victims = [v for owner in list(self._owner_bytes) for v in self._over_quota(owner)]
+        del victims
+
+    def owners(self) -> dict[str, int]:
+        """Bytes held per owner (``""``: pages of no tenant)."""
+        with self._lock:
+            return dict(self._owner_bytes)
+
+    def quotas(self) -> dict[str, int]:
+        """The quotas in force here, by owner."""
+        with self._lock:
+            return dict(self._quotas)
+
+    def _over_quota(self, owner: str) -> list[_Object]:
+        """Evict ``owner``'s least recently used objects until it is within its quota
+        (caller holds ``_lock``); the victims, to release outside it."""
+        quota, victims = self._quotas.get(owner, 0), []
+        if quota and self._owner_bytes.get(owner, 0) > quota:
+            for oid in [oid for oid, obj in self._objects.items() if obj.owner == owner]:
+                victims.append(self._forget_object(oid))
+                self._quota_evicted += 1
+                if self._owner_bytes.get(owner, 0) <= quota:
+                    break
+        return victims
+
     def _forget_object(self, oid: int) -> _Object:
         """Drop object ``oid`` and every key indexed to it (caller holds ``_lock``)."""
         obj = self._objects.pop(oid)
         self._bytes -= obj.nbytes
+        self._drop_owner_bytes(obj)
         for key in obj.keys:
             if self._index.get(key, (-1, 0))[0] == oid:
                 del self._index[key]
@@ -191,7 +236,15 @@ class PageShard:
                 if not obj.live:
                     dropped.append(self._objects.pop(where[0]))
                     self._bytes -= obj.nbytes
+                    self._drop_owner_bytes(obj)
         del dropped
+
+    def _drop_owner_bytes(self, obj: _Object) -> None:
+        left = self._owner_bytes.get(obj.owner, 0) - obj.nbytes
+        if left > 0:
+            self._owner_bytes[obj.owner] = left
+        else:
+            self._owner_bytes.pop(obj.owner, None)
 
     def scan(self) -> list[tuple[str, int, float]]:
         with self._lock:
@@ -206,6 +259,7 @@ class PageShard:
             self._objects.clear()
             self._index.clear()
             self._sizes.clear()
+            self._owner_bytes.clear()
             self._bytes = 0
         del dropped
 
@@ -217,6 +271,7 @@ class PageShard:
                 bytes=self._bytes,
                 capacity_bytes=self.capacity_bytes,
                 evicted_objects=self._evicted_objects,
+                quota_evicted_objects=self._quota_evicted,
                 lost_objects=self._lost_objects,
                 adopting=self._num_pending(),
             )

@@ -19,6 +19,7 @@ so HTTP clients get the engine's batching and queue.
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.deployment import Deployment
 from actors.openai_engine import RETRY_AFTER_S, EngineCall, OpenAIEngine, parse_call, prepend
-from actors.stores import drop_store
+from actors.stores import drop_store, set_quotas
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.serving.openai.protocol import (
     ChatRequest,
@@ -41,7 +42,7 @@ from hicache_ray.serving.openai.protocol import (
     models_response,
 )
 from hicache_ray.serving.openai.text import text_codec
-from hicache_ray.serving.tenants import ApiKeys, KeySpec, Tenant
+from hicache_ray.serving.tenants import ApiKeys, KeySpec, Tenant, tenant_owner
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 MAX_BODY_BYTES = 4 << 20
+log = logging.getLogger(__name__)
 NO_KEYS = KeySpec()  # a door every caller may use
 
 
@@ -76,7 +78,18 @@ class _Front(ABC):
         self.keep_store = keep_store
         self.codec = text_codec(config.model.checkpoint)
         self.created = int(time.time())
-        self.keys = ApiKeys(keys.digests, keys.path)
+        self.keys = ApiKeys(keys.digests, keys.path, on_change=self._quotas)
+
+    def _quotas(self, tenants: list[Tenant]) -> None:
+        """Give the L3 store the tenants' quotas (each time the keys file is read)."""
+        storage = self.config.cache.storage
+        quotas = {tenant_owner(storage.tenant_salt, t): t.quota_bytes for t in tenants}
+        if storage.backend == "ray":
+            set_quotas(storage.ray, {o: q for o, q in quotas.items() if q})
+        elif any(quotas.values()):
+            log.warning(
+                "tenant quotas apply to the ray L3 only; the %s L3 ignores them", storage.backend
+            )
 
     async def __call__(self, request: Request) -> Response:
         try:

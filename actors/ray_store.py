@@ -163,6 +163,17 @@ class RayObjects(ObjectStore):
     def write_many(
         self, keys: Sequence[str], headers: Sequence[bytes], payloads: Sequence[memoryview]
     ) -> list[Exception | None]:
+        return self.write_owned(keys, headers, payloads, "")
+
+    def write_owned(
+        self,
+        keys: Sequence[str],
+        headers: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        owner: str,
+    ) -> list[Exception | None]:
+        """Each object holds one owner's pages (a put is one owner's): the shard counts it
+        against that owner's quota (:meth:`PageShard.set_quotas`)."""
         self._ready_or_miss()
         errors: list[Exception | None] = [None] * len(keys)
         chunks = [
@@ -182,9 +193,8 @@ class RayObjects(ObjectStore):
             except RayError as exc:
                 calls.append((shard, idx, exc))
                 continue
-            calls.append(
-                (shard, idx, self._remote(shard, "put", [keys[i] for i in idx], sizes, holder))
-            )
+            put_keys = [keys[i] for i in idx]
+            calls.append((shard, idx, self._remote(shard, "put", put_keys, sizes, holder, owner)))
         for shard, idx, ref in calls:
             answer = self._wait(shard, ref)
             for i, ok in zip(idx, _spread(answer, len(idx)), strict=True):

@@ -21,6 +21,7 @@ __all__ = [
     "existing_shards",
     "is_dropped",
     "mark_dropped",
+    "shard_capacity",
     "shard_handle",
     "shard_name",
 ]
@@ -53,7 +54,23 @@ def shard_handle(opts: RayStorageOptions, index: int, num_shards: int) -> Any:
         max_concurrency=8,
         scheduling_strategy=strategy,
         resources=dict(opts.shard_resources),
-    ).remote(num_shards, opts.capacity_bytes // num_shards)
+    ).remote(num_shards, shard_capacity(opts, num_shards))
+
+
+def shard_capacity(opts: RayStorageOptions, num_shards: int) -> int:
+    """The bytes one of ``num_shards`` shards keeps (0: no limit): ``capacity_bytes``, or
+    else ``capacity_fraction`` of the cluster's object store memory, split evenly."""
+    total = opts.capacity_bytes
+    if not total and opts.capacity_fraction:
+        memory = ray.cluster_resources().get("object_store_memory", 0)  # type: ignore[no-untyped-call]
+        total = int(opts.capacity_fraction * memory)
+    if not total:
+        log.warning(
+            "ray L3 store %r has no byte limit (capacity_bytes and capacity_fraction are 0): "
+            "past Ray's object store, Ray spills its pages to local disk",
+            opts.name,
+        )
+    return max(total // num_shards, 1) if total else 0
 
 
 def candidate_nodes(opts: RayStorageOptions) -> list[str]:

@@ -17,7 +17,8 @@ class ShardStats(msgspec.Struct, kw_only=True):
 
     Attributes:
         objects / keys / bytes: what it holds; capacity_bytes: its budget (0: none).
-        evicted_objects: dropped past the budget; lost_objects: gone with their owner.
+        evicted_objects: dropped past the budget; quota_evicted_objects: dropped past their
+        tenant's quota; lost_objects: gone with their writer.
         adopting: written objects whose own copies are still being made.
     """
 
@@ -26,6 +27,7 @@ class ShardStats(msgspec.Struct, kw_only=True):
     bytes: int = 0
     capacity_bytes: int = 0
     evicted_objects: int = 0
+    quota_evicted_objects: int = 0
     lost_objects: int = 0
     adopting: int = 0
 

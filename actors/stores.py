@@ -27,7 +27,9 @@ __all__ = [
     "clear_store",
     "drop_store",
     "list_stores",
+    "set_quotas",
     "store_exists",
+    "store_owners",
     "store_stats",
 ]
 
@@ -91,6 +93,33 @@ def drop_store(name: str, timeout_s: float = 30.0) -> int:
             raise TimeoutError(f"store {name!r}: shards still alive after {timeout_s:g}s")
         time.sleep(0.05)
     return len(names)
+
+
+def set_quotas(options: RayStorageOptions, quotas: dict[str, int]) -> None:
+    """Give store ``options.name`` the L3 quota of each owner (a tenant's tag,
+    :func:`hicache_ray.serving.tenants.owner_of`) in bytes, split evenly over its shards
+    (keys spread over them by hash); replaces the quotas it had."""
+    store = RayObjects(options)
+    try:
+        n = store.num_shards
+        share = {owner: max(1, -(-q // n)) for owner, q in quotas.items() if q > 0}
+        for shard in range(n):
+            store.call(shard, "set_quotas", share)
+    finally:
+        store.close()
+
+
+def store_owners(options: RayStorageOptions) -> dict[str, int]:
+    """Bytes store ``options.name`` holds per owner (``""``: pages of no tenant)."""
+    store = RayObjects(options)
+    out: dict[str, int] = {}
+    try:
+        for shard in range(store.num_shards):
+            for owner, n in store.call(shard, "owners").items():
+                out[owner] = out.get(owner, 0) + n
+    finally:
+        store.close()
+    return out
 
 
 def clear_store(options: RayStorageOptions) -> None:

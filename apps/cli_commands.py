@@ -370,6 +370,8 @@ def serve(args: argparse.Namespace, prepared: Any) -> int:
         ray_serve.run(app, name="hicache-openai", route_prefix="/")
         _log(f"serving {given['model']} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
         _log(_door_note(given, args.host))
+        if given.get("storage") == "file" and not int(given.get("storage_bytes", "0")):
+            _log("WARNING: the file L3 has no byte limit: give --storage-bytes to bound it")
         stop.wait()
         _log("shutting down")
     finally:

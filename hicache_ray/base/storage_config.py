@@ -131,8 +131,14 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             joins an existing store with its own count, or makes one shard per node that
             can hold one. Every user of a store must agree on it (checked when connecting).
         capacity_bytes: most bytes the store keeps in the object store, split evenly
-            over the shards; least recently used objects are dropped past it; 0 means
-            no limit (then only Ray's own object store capacity bounds it).
+            over the shards; least recently used objects are dropped past it; 0: take
+            ``capacity_fraction`` of the cluster's object store instead.
+        capacity_fraction: with ``capacity_bytes`` 0, the share of the cluster's object
+            store memory (when the store is made) the store keeps, split evenly over the
+            shards: the default 0.5 leaves the rest for the writers' objects in flight and
+            other users, so Ray has no reason to spill cache pages to disk. 0 with
+            ``capacity_bytes`` 0: no limit, only Ray's object store bounds it (and spills
+            past it: a warning says so when the store is made).
         object_bytes: pages of one put are grouped into objects of about this size
             (larger objects: fewer references to fetch per read, coarser eviction).
         timeout_s: how long one call to a shard or one object fetch may take before the
@@ -152,6 +158,7 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     name: str = "default"
     num_shards: int = 0
     capacity_bytes: int = 0
+    capacity_fraction: float = 0.5
     object_bytes: int = 32 << 20
     timeout_s: float = 30.0
     metadata_ttl_s: float = 2.0
@@ -166,6 +173,10 @@ class RayStorageOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             )
         check_not_negative("ray.num_shards", self.num_shards)
         check_not_negative("ray.capacity_bytes", self.capacity_bytes)
+        if not 0 <= self.capacity_fraction <= 1:
+            raise ConfigError(
+                "ray.capacity_fraction", self.capacity_fraction, "outside [0, 1]", "use e.g. 0.5"
+            )
         check_positive("ray.object_bytes", self.object_bytes)
         check_positive("ray.timeout_s", self.timeout_s)
         check_not_negative("ray.metadata_ttl_s", self.metadata_ttl_s)

@@ -33,6 +33,11 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
     "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
     "storage_root": ("", "directory or URI of the file backend"),
     "store": ("", "name of the ray L3 store (default: serve-<model>)"),
+    "storage_bytes": (
+        "0",
+        "L3 byte limit (least recently used pages go past it); 0: ray keeps half the "
+        "cluster's object store, file has no limit (a warning says so)",
+    ),
     "device_tokens": ("16384", "L1 (device pool) tokens per rank"),
     "host_ratio": ("2.0", "L2 (host pool) size as a multiple of L1"),
     "page_size": ("16", "tokens per KV page"),
@@ -103,11 +108,15 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
     if backend not in ("ray", "file", "none"):
         raise ConfigError("storage", backend, "unknown backend", "use ray, file or none")
     store = opts["store"] or f"serve-{model.name}".replace(".", "-")
+    limit = int(_number("storage_bytes", opts["storage_bytes"], int))
     storage = StorageConfig(
         backend=backend,
         model_id=model.name if not model.checkpoint else "",
-        ray=RayStorageOptions(name="".join(c if c.isalnum() or c in "-_" else "-" for c in store)),
-        file=FileStorageOptions(root=opts["storage_root"]),
+        ray=RayStorageOptions(
+            name="".join(c if c.isalnum() or c in "-_" else "-" for c in store),
+            capacity_bytes=limit,
+        ),
+        file=FileStorageOptions(root=opts["storage_root"], capacity_bytes=limit),
     )
     cache = CacheConfig(
         memory=MemoryConfig(

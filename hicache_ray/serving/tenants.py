@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.keys.tenant import owner_of, tenant_salt
 
 __all__ = [
     "MAX_CACHE_SALT_CHARS",
@@ -37,6 +38,7 @@ __all__ = [
     "key_digest",
     "parse_keys_file",
     "request_salt",
+    "tenant_owner",
 ]
 
 log = logging.getLogger(__name__)
@@ -141,13 +143,20 @@ def request_salt(deployment: str, tenant: Tenant | None, cache_salt: str = "") -
         if not cache_salt:
             return deployment
         return f"{deployment}\x00salt\x00{cache_salt}" if deployment else cache_salt
-    return f"{deployment}\x00tenant\x00{tenant.name}\x00{cache_salt}"
+    return tenant_salt(deployment, tenant.name, cache_salt)
+
+
+def tenant_owner(deployment: str, tenant: Tenant) -> str:
+    """The owner tag of ``tenant``'s L3 pages on a deployment salted ``deployment``: what
+    its quota is set for (:func:`hicache_ray.keys.tenant.owner_of` of any of its salts)."""
+    return owner_of(tenant_salt(deployment, tenant.name))
 
 
 class ApiKeys:
     """The keys a door accepts: ``digests`` (of ``--api-key`` keys, each its own tenant)
-    and a keys file at ``path`` (read again when it changes). No key at all: every call is
-    let in, as no tenant."""
+    and a keys file at ``path`` (read again when it changes; ``on_change`` is told its
+    tenants each time, the first read included). No key at all: every call is let in, as
+    no tenant."""
 
     def __init__(
         self,
@@ -156,7 +165,9 @@ class ApiKeys:
         *,
         reload_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[list[Tenant]], None] | None = None,
     ) -> None:
+        self._on_change = on_change  # told the tenants each time the file is (re)read
         self._fixed = {d: Tenant(f"key-{d[:16]}") for d in digests}
         self._path, self._reload_s, self._clock = path, reload_s, clock
         self._stamp: tuple[int, int] | None = None
@@ -205,6 +216,12 @@ class ApiKeys:
             return
         self._stamp, self._from_file = stamp, keys
         log.info("api keys %s: %d keys, %d tenants", self._path, len(keys), self.num_tenants)
+        if self._on_change is not None:
+            self._on_change(self.tenants())
+
+    def tenants(self) -> list[Tenant]:
+        """Every tenant the door knows, once each."""
+        return list(dict.fromkeys([*self._fixed.values(), *self._from_file.values()]))
 
     @property
     def num_tenants(self) -> int:

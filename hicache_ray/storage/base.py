@@ -108,8 +108,12 @@ class StorageBackend(ABC):
         """
 
     @abstractmethod
-    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, owner: str = "") -> int:
         """Store leading pages; returns how many leading pages are stored.
+
+        ``owner`` tags the pages with a tenant (:func:`hicache_ray.serving.tenants.owner_of`)
+        whose L3 quota they count against, where the store keeps quotas (the ``ray`` store);
+        others ignore it.
 
         A key already present is not rewritten (its recency is refreshed). A failed
         lookup or write (full disk, permissions, network) ends the batch and is counted;

@@ -71,6 +71,17 @@ class ObjectStore(ABC):
         """Write ``header + payload`` under each key in order; None for each success,
         stopping after the first failure (its error is the last entry)."""
 
+    def write_owned(
+        self,
+        keys: Sequence[str],
+        headers: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        owner: str,
+    ) -> list[Exception | None]:
+        """:meth:`write_many` of pages a tenant ``owner`` owns (``""``: none); a store that
+        keeps quotas per owner overrides it, the others ignore the owner."""
+        return self.write_many(keys, headers, payloads)
+
     @abstractmethod
     def remove_many(self, keys: Sequence[str]) -> None:
         """Delete ``keys``; absent keys are ignored. Raises on I/O errors."""

@@ -172,8 +172,9 @@ class PagedBackend(PageWrites, StorageBackend):
         checksums: Sequence[str] | None = None,
         *,
         unseen: bool = False,
+        owner: str = "",
     ) -> int:
-        """See :meth:`StorageBackend.put`.
+        """See :meth:`StorageBackend.put` (``owner`` goes to :meth:`ObjectStore.write_owned`).
 
         Args:
             checksums: the pages' payload checksums when the caller computed them while the
@@ -200,9 +201,11 @@ class PagedBackend(PageWrites, StorageBackend):
         headers, sizes = self._headers(keys, pages, checksums, new, payloads)
         reserved = self._reserve(sizes)
         try:
-            errors = self.objects.write_many(
-                [keys[i] for i in new[:reserved]], headers[:reserved], payloads[:reserved]
-            )
+            args = [keys[i] for i in new[:reserved]], headers[:reserved], payloads[:reserved]
+            if owner:
+                errors = self.objects.write_owned(*args, owner)
+            else:
+                errors = self.objects.write_many(*args)
         except Exception as exc:  # the store is unreachable: nothing written
             errors = [exc]
         finally:

@@ -7,6 +7,7 @@ process without importing a module for its side effects.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 BackendFactory = Callable[[StorageConfig, ShardPlan], StorageBackend]
+
+log = logging.getLogger(__name__)
 
 
 def create_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
@@ -62,7 +65,7 @@ class NullBackend(StorageBackend):
     def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> int:
         return 0
 
-    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, owner: str = "") -> int:
         return 0
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -89,7 +92,15 @@ def memory_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
 
 
 def file_backend(config: StorageConfig, plan: ShardPlan) -> StorageBackend:
+    """The ``file`` backend; without ``file.capacity_bytes`` it warns that nothing bounds
+    its pages (a long-running server could fill the filesystem)."""
     opts = config.file
+    if not opts.capacity_bytes:
+        log.warning(
+            "file L3 at %s has no byte limit (file.capacity_bytes = 0): its pages accumulate "
+            "until the filesystem is full; set file.capacity_bytes to bound them",
+            opts.root,
+        )
     return PagedBackend(
         "file",
         with_faults(config, FileObjects(opts.root, opts.timeout_s)),

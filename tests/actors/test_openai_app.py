@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 ray = pytest.importorskip("ray")
 
 STORE = "openai-test"
-KEYS = {"alice-key-1": "alice", "alice-key-2": "alice", "bob-key-111": "bob"}
+KEYS = {"alice-key-1": "alice", "alice-key-2": "alice", "bob-key-111": "bob quota=1M"}
 SOLO = "solo-key-000"  # given as a digest, as ``--api-key`` does: a tenant of its own
 
 
@@ -247,6 +247,12 @@ def test_tenants_never_share_cached_tokens(server: tuple[int, Path]) -> None:
     assert cached(SOLO) == 0
     assert cached("alice-key-1", cache_salt="mine") == 0
     assert cached("alice-key-1", cache_salt="mine") == hit
+    from actors.shards import shard_name
+    from hicache_ray.serving.tenants import Tenant, tenant_owner
+
+    shard = ray.get_actor(shard_name(STORE, 0), namespace="hicache")  # bob's quota reached it
+    quotas = ray.get(shard.quotas.remote())
+    assert set(quotas) == {tenant_owner("", Tenant("bob"))} and 0 < quotas.popitem()[1] <= 10**6
     status, answer = _post(
         port, "/v1/completions", b'{"model": "qwen3", "prompt": "x", "cache_salt": "a\u0000b"}'
     )

@@ -136,6 +136,62 @@ def test_budget_evicts_whole_objects_least_recently_used(options) -> None:
         stores.drop_store(opts.name)
 
 
+def test_by_default_a_store_keeps_a_share_of_the_object_store(options, caplog) -> None:
+    """capacity_bytes 0 takes capacity_fraction (0.5 by default) of the cluster's object
+    store: a fill past it evicts instead of growing until Ray spills. A tiny fraction
+    here, so the fill stays small; 0 and 0 is unlimited, and says so."""
+    assert RayStorageOptions().capacity_fraction == 0.5
+    memory = ray.cluster_resources()["object_store_memory"]
+    assert shards.shard_capacity(RayStorageOptions(), 2) == int(0.5 * memory) // 2
+    plan = make_plan()
+    page_bytes = make_pages(plan, 1)[0].numel() * 2
+    fraction = 20 * page_bytes / memory  # room for about 20 pages in all
+    opts = RayStorageOptions(name=f"store{next(_names)}", num_shards=2, capacity_fraction=fraction)
+    try:
+        backend = _backend(opts, plan)
+        for seed in range(12):  # 48 pages: more than twice the budget
+            backend.put(page_keys(plan, 4, seed=seed), make_pages(plan, 4, seed=seed))
+        backend.flush()
+        stats = stores.store_stats(opts)
+        assert stats.capacity_bytes == 2 * (int(fraction * memory) // 2)
+        assert 0 < stats.bytes <= stats.capacity_bytes and stats.evicted_objects > 0
+    finally:
+        stores.drop_store(opts.name)
+    with caplog.at_level("WARNING", logger="actors.ray_store"):
+        assert shards.shard_capacity(RayStorageOptions(capacity_fraction=0.0), 2) == 0
+    assert "no byte limit" in caplog.text
+
+
+def test_a_tenant_over_its_quota_loses_its_own_oldest_pages(options) -> None:
+    """Quotas are per owner: an owner past its quota loses its least recently used
+    objects, others keep theirs; a put larger than the quota is refused; a lower quota
+    evicts at once, and no quota lets the owner grow again."""
+    plan = make_plan()
+    page_bytes = make_pages(plan, 1)[0].numel() * 2
+    opts = RayStorageOptions(name=f"store{next(_names)}", num_shards=1, metadata_ttl_s=0.0)
+    try:
+        backend = _backend(opts, plan)
+        stores.set_quotas(opts, {"t-a": 9 * (page_bytes + 200)})  # about two 4-page objects
+        batches = [page_keys(plan, 4, seed=s) for s in range(5)]
+        for seed in range(3):
+            assert backend.put(batches[seed], make_pages(plan, 4, seed=seed), owner="t-a") == 4
+        assert backend.put(batches[3], make_pages(plan, 4, seed=3), owner="t-b") == 4
+        assert backend.put(batches[4], make_pages(plan, 4, seed=4)) == 4
+        assert [backend.exists(b) for b in batches] == [0, 4, 4, 4, 4]  # a's oldest went
+        owners = stores.store_owners(opts)
+        assert owners["t-a"] <= 9 * (page_bytes + 200) and set(owners) == {"t-a", "t-b", ""}
+        assert stores.store_stats(opts).quota_evicted_objects == 1
+        too_big = page_keys(plan, 12, seed=9)
+        assert backend.put(too_big, make_pages(plan, 12, seed=9), owner="t-a") == 0
+        stores.set_quotas(opts, {"t-a": 5 * (page_bytes + 200), "t-b": 0})
+        assert [backend.exists(b) for b in batches] == [0, 0, 4, 4, 4]
+        stores.set_quotas(opts, {})
+        assert backend.put(batches[0], make_pages(plan, 4, seed=0), owner="t-a") == 4
+        assert [backend.exists(b) for b in batches] == [4, 0, 4, 4, 4]
+    finally:
+        stores.drop_store(opts.name)
+
+
 def test_object_store_returns_to_baseline_after_eviction_and_clear(options) -> None:
     baseline = plasma_usage()
     plan = make_plan()

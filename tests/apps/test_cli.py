@@ -44,6 +44,9 @@ from apps.cli_experiments import experiment_options
         (["stats", "--timeout", "0"], "not positive"),
         (["serve", "--model", "tiny", "--page-size", "x"], "page_size"),
         (["serve", "--model", "nowhere/at/all"], "nowhere/at/all"),
+        (["serve", "--model", "tiny", "--storage-bytes", "-1"], "capacity_bytes=-1"),
+        (["serve", "--model", "tiny", "--api-key-sha256", "abc"], "not a SHA-256 hex digest"),
+        (["serve", "--model", "tiny", "--api-keys", "/nowhere/keys"], "api_keys="),
     ],
 )
 def test_a_bad_value_is_one_line_exit_2_before_anything_starts(

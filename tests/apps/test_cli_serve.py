@@ -39,7 +39,7 @@ def _get(url: str) -> dict[str, object] | None:
 @pytest.mark.slow
 def test_serve_command_answers_and_stops_on_sigint(tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray auth: the run's
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         [

@@ -58,7 +58,6 @@ def test_code_block_runs(where: str, lang: str, code: str, why: str, tmp_path: P
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "RAY_AUTH_MODE": "disabled",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "PYTHONPATH": str(REPO),
     }

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.keys.tenant import owner_of
 from hicache_ray.serving.serve_options import serve_keys
 from hicache_ray.serving.tenants import (
     MAX_CACHE_SALT_CHARS,
@@ -20,6 +21,7 @@ from hicache_ray.serving.tenants import (
     key_digest,
     parse_keys_file,
     request_salt,
+    tenant_owner,
 )
 from tests.helpers import FakeClock
 
@@ -141,3 +143,22 @@ def test_two_calls_share_a_salt_only_when_they_stand_for_the_same_cache(
         return request_salt(dep, Tenant(name) if name else None, own)
 
     assert (salt(a) == salt(b)) == (_canon(a) == _canon(b))
+
+
+def test_the_door_is_told_its_tenants_and_their_owners_each_read(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("alice-key-1 alice quota=1M\nalice-key-2 alice quota=1M\nbob-key-111 bob\n")
+    told: list[list[Tenant]] = []
+    clock = FakeClock()
+    keys = ApiKeys([key_digest("solo-key-0")], str(path), clock=clock, on_change=told.append)
+    solo = Tenant(f"key-{key_digest('solo-key-0')[:16]}")
+    assert told == [[solo, Tenant("alice", 1_000_000), Tenant("bob")]]
+    path.write_text("bob-key-111 bob quota=2k\n")
+    clock.now = 60
+    keys.tenant("Bearer bob-key-111")
+    assert told[-1] == [solo, Tenant("bob", 2000)]
+    # a tenant's owner is that of every salt of it, and only of its own
+    alice = tenant_owner("dep", Tenant("alice"))
+    assert alice == owner_of(request_salt("dep", Tenant("alice"), "any"))
+    assert alice not in (tenant_owner("", Tenant("alice")), tenant_owner("dep", Tenant("bob")))
+    assert owner_of(request_salt("dep", None, "x")) == "" == owner_of("")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_ray.engine.request import MAX_SALT_CHARS, GenerateRequest, RequestError, check_request
+from hicache_ray.keys.tenant import owner_of, tenant_salt
 from hicache_ray.storage import MemoryObjects
 from tests.engine.test_runtime import assert_exact, drain, prompt, run, runtime
 
@@ -65,4 +66,32 @@ def test_a_bad_salt_is_refused_alone(salt: object, why: str) -> None:
     rt.submit(GenerateRequest("bad", [1, 2], 1, cache_salt=salt))  # type: ignore[arg-type]
     good = run(rt, GenerateRequest("good", [1, 2, 3], 1, cache_salt="ok"))
     assert good.error is None
+    rt.ctl.close()
+
+
+class _Owners(MemoryObjects):
+    """A memory store that records the owner of every write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owners: set[str] = set()
+
+    def write_owned(self, keys, headers, payloads, owner):  # type: ignore[no-untyped-def]
+        self.owners.add(owner)
+        return super().write_owned(keys, headers, payloads, owner)
+
+
+def test_backups_name_their_tenant_for_its_quota() -> None:
+    """A tenant's pages reach L3 tagged with its owner (whatever its cache_salt); pages of
+    no tenant go untagged."""
+    objects = _Owners()
+    rt = runtime(objects)
+    run(rt, GenerateRequest("a", prompt(1, 16), 1, cache_salt=tenant_salt("", "alice", "x")))
+    drain(rt)
+    assert objects.owners == {owner_of(tenant_salt("", "alice"))}
+    written = len(list(objects.scan()))
+    run(rt, GenerateRequest("b", prompt(2, 16), 1, cache_salt="plain"))
+    drain(rt)
+    assert len(list(objects.scan())) > written  # stored, under no owner
+    assert objects.owners == {owner_of(tenant_salt("", "alice"))}
     rt.ctl.close()

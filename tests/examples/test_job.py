@@ -1,4 +1,5 @@
-"""``ray job submit`` of examples/job_multiturn.py to a ``ray start --head`` cluster.
+"""``ray job submit`` of examples/job_multiturn.py to a ``ray start --head`` cluster, with
+Ray's token authentication off (make unit) and on (make test-token).
 
 The cluster runs in its own session (``--block``) bound to 127.0.0.1 with every port
 chosen free here, and is ended by killing its process group: nothing is left behind.
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,10 +39,18 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _authorized(url: str) -> urllib.request.Request:
+    """A request that carries Ray's token when the run has token auth on (the make
+    target test-token)."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return urllib.request.Request(url, headers=headers)
+
+
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     gcs, dash, client, agent, agent_grpc, metrics, env_agent, nm, om = _free_ports(9)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray auth: the run's
     cmd = [
         str(BIN / "ray"), "start", "--head", "--block",
         "--node-ip-address", "127.0.0.1", f"--port={gcs}",
@@ -63,7 +73,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         deadline = time.monotonic() + 120
         while True:  # the job API answers once the dashboard is up
             try:
-                with urllib.request.urlopen(f"{address}/api/version", timeout=2):
+                with urllib.request.urlopen(_authorized(f"{address}/api/version"), timeout=2):
                     break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
@@ -77,7 +87,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_job_submit_runs_the_multiturn_benchmark(head: str) -> None:
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray auth: the run's
     done = subprocess.run(
         [
             str(BIN / "ray"),
@@ -107,7 +117,7 @@ def test_job_submit_runs_the_multiturn_benchmark(head: str) -> None:
 
 
 def test_stats_and_store_ls_through_the_dashboard_address(head: str, tmp_path: Path) -> None:
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray auth: the run's
     out = tmp_path / "stats.json"
     for argv, expect in (
         (["stats", "--address", head, "--json", str(out)], '"deployments"'),
@@ -124,3 +134,15 @@ def test_stats_and_store_ls_through_the_dashboard_address(head: str, tmp_path: P
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert expect in done.stdout
     assert json.loads(out.read_text()) == {"deployments": {}, "stores": {}}
+
+
+def test_a_token_cluster_refuses_calls_without_its_token(head: str) -> None:
+    """Under make test-token the cluster above really enforces Ray's token: the job API
+    refuses a call without it and answers one with it."""
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        pytest.skip("Ray's token authentication is off in this run (make test-token turns it on)")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{head}/api/jobs/", timeout=10)
+    assert refused.value.code in (401, 403)
+    with urllib.request.urlopen(_authorized(f"{head}/api/jobs/"), timeout=10) as answer:
+        assert answer.status == 200

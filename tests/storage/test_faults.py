@@ -165,6 +165,21 @@ def test_registry_builds_every_builtin_backend(tmp_path) -> None:
     assert create_backend(faulty, plan).put(page_keys(plan, 1), make_pages(plan, 1)) == 0
 
 
+def test_an_unbounded_file_store_warns_at_start(tmp_path, caplog) -> None:
+    plan = make_plan()
+    unbounded = StorageConfig(
+        backend="file", model_id="m", file=FileStorageOptions(root=str(tmp_path))
+    )
+    bounded = msgspec.structs.replace(
+        unbounded, file=FileStorageOptions(root=str(tmp_path), capacity_bytes=1 << 20)
+    )
+    with caplog.at_level("WARNING", logger="hicache_ray.storage.registry"):
+        create_backend(bounded, plan).close()
+        assert "no byte limit" not in caplog.text
+        create_backend(unbounded, plan).close()
+    assert f"file L3 at {tmp_path} has no byte limit" in caplog.text
+
+
 def test_null_backend_stores_nothing() -> None:
     null = NullBackend()
     plan = make_plan()

@@ -14,6 +14,7 @@ from hicache_ray.cache.controller.backup import BackupPipeline, BackupTask
 from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.hicache import HiCache
 from hicache_ray.cache.tree import BackupMark, TreeNode, node_page_hashes
+from hicache_ray.keys.tenant import owner_of
 
 __all__ = ["NO_FAILURE", "Acknowledger"]
 
@@ -108,8 +109,9 @@ class Acknowledger:
             ancestor = ancestor.parent
         parent_task = None if ancestor.is_root else ancestor.backup
         assert parent_task is None or isinstance(parent_task, BackupTask)
+        owner = owner_of(tree.roots.salt_of_node(node))
         for n in reversed(chain):
-            task = BackupTask(n, self._hashes(n), list(n.host_pages or ()), parent_task)
+            task = BackupTask(n, self._hashes(n), list(n.host_pages or ()), parent_task, owner)
             n.backup = task
             # Its host slots stay put until the backup is acknowledged; its device pages
             # may be evicted meanwhile (they are not what the backup reads).

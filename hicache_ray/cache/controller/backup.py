@@ -41,9 +41,15 @@ class BackupTask:
     """Store one node's pages. Set by the worker: ``stored_pages``, ``failure``, ``finished``."""
 
     def __init__(
-        self, node: TreeNode, hashes: list[str], host_pages: list[int], parent: BackupTask | None
+        self,
+        node: TreeNode,
+        hashes: list[str],
+        host_pages: list[int],
+        parent: BackupTask | None,
+        owner: str = "",
     ) -> None:
         self.node = node
+        self.owner = owner  # the tenant its pages count against in L3 ("": none)
         self.hashes = hashes
         self.host_pages = host_pages
         self.parent = parent  # None: the parent is the root or already stored
@@ -130,7 +136,7 @@ class BackupWorker(InboxWorker[BackupTask]):
             for p in todo
             for o in writers
         ]
-        stored = self._storage.put(batch_keys, pages)
+        stored = self._storage.put(batch_keys, pages, owner=task.owner)
         task.num_bytes += sum(p.nbytes for p in pages[:stored])
         if stored < len(batch_keys):
             task.stored_pages = todo[stored // len(writers)]

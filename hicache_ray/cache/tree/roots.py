@@ -44,6 +44,13 @@ class Roots:
         """The salt that names the pages under ``root`` (the L3 keys' tenant salt)."""
         return self._salt_of.get(root, self.salt)
 
+    def salt_of_node(self, node: TreeNode) -> str:
+        """The salt of the root ``node`` hangs under."""
+        while not node.is_root:
+            assert node.parent is not None
+            node = node.parent
+        return self.salt_of(node)
+
     def forget_if_empty(self, root: TreeNode) -> None:
         """Drop a tenant's root once it holds no node."""
         if not root.children and root is not self.default:
