@@ -16,7 +16,7 @@ import ray
 from actors.shards import NAMESPACE
 from actors.stats import ShardStats
 
-__all__ = ["cluster_stats", "object_store_usage"]
+__all__ = ["cluster_stats", "object_store_summary", "object_store_usage"]
 
 _RANK = re.compile(r"^hicache-(?P<dep>.+)-g(?P<gen>\d+)-rank(?P<rank>\d+)$")
 _SHARD = re.compile(r"^hicache-l3-(?P<store>.+)-(?P<shard>\d+)$")
@@ -26,7 +26,8 @@ def cluster_stats(timeout_s: float = 10.0) -> dict[str, Any]:
     """``{"deployments": {name: {"generation", "ranks": [{"rank", "health", "stats"}]}},
     "stores": {name: {"shards", "objects", "keys", "bytes", "capacity_bytes",
     "evicted_objects", "quota_evicted_objects", "lost_objects", "adopting"}}}``; a rank or
-    shard that does not answer in ``timeout_s`` shows its error instead."""
+    shard that does not answer in ``timeout_s`` shows its error instead; and
+    ``"object_store"``: :func:`object_store_summary` (spilling included)."""
     ranks: dict[str, dict[int, dict[int, str]]] = {}  # deployment -> generation -> rank -> name
     shards: dict[str, list[str]] = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
@@ -56,11 +57,22 @@ def cluster_stats(timeout_s: float = 10.0) -> dict[str, Any]:
                 errors.append(f"{name}: {exc!r}")
         total = {"shards": len(names), **msgspec.to_builtins(counts)}
         out["stores"][store] = {**total, "errors": errors} if errors else total
+    try:
+        out["object_store"] = object_store_summary()
+    except Exception as exc:  # Ray's summary is not public API: say so, do not fail
+        out["object_store"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return out
 
 
 def object_store_usage() -> tuple[int, int]:
     """(MiB, objects) in the object stores of the connected cluster (Ray's summary)."""
+    summary = object_store_summary()
+    return summary["used_mib"], summary["objects"]
+
+
+def object_store_summary() -> dict[str, int]:
+    """The connected cluster's object stores as Ray sums them: ``used_mib``, ``objects``,
+    and ``spilled_mib`` (spilled to disk since the cluster started, by anyone)."""
     from ray._private.internal_api import memory_summary
 
     # the connected cluster's address: without it Ray reads a possibly stale cluster file
@@ -69,7 +81,12 @@ def object_store_usage() -> tuple[int, int]:
     found = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", summary)
     if found is None:
         raise RuntimeError("Ray's object store summary changed its format")
-    return int(found.group(1)), int(found.group(2))
+    spilled = re.search(r"Spilled (\d+) MiB", summary)
+    return {
+        "used_mib": int(found.group(1)),
+        "objects": int(found.group(2)),
+        "spilled_mib": int(spilled.group(1)) if spilled else 0,
+    }
 
 
 def _ask(name: str, timeout_s: float) -> dict[str, Any]:

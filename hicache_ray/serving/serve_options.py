@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from hicache_ray.base.config import CacheConfig, MemoryConfig, SchedulerConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
-from hicache_ray.serving.tenants import ApiKeys, KeySpec
 
 if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
     from hicache_ray.engine.spec import DeploymentConfig
+    from hicache_ray.serving.tenants import KeySpec
 
 __all__ = [
     "ROUTERS",
@@ -141,6 +141,8 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
 def serve_keys(args: dict[str, str]) -> KeySpec:
     """The API keys of the serve options ``args`` (the keys file is read once here, so a
     bad one stops the start)."""
+    from hicache_ray.serving.tenants import ApiKeys, KeySpec
+
     digests = tuple(d.strip().lower() for d in args.get("api_key_sha256", "").split(",") if d)
     for d in digests:
         if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):

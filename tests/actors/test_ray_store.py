@@ -19,6 +19,7 @@ ray = pytest.importorskip("ray")
 ray_store = pytest.importorskip("actors.ray_store")
 shards = pytest.importorskip("actors.shards")
 stores = pytest.importorskip("actors.stores")
+inspect = pytest.importorskip("actors.inspect")
 
 _names = itertools.count()
 
@@ -155,6 +156,7 @@ def test_by_default_a_store_keeps_a_share_of_the_object_store(options, caplog) -
         stats = stores.store_stats(opts)
         assert stats.capacity_bytes == 2 * (int(fraction * memory) // 2)
         assert 0 < stats.bytes <= stats.capacity_bytes and stats.evicted_objects > 0
+        assert inspect.object_store_summary()["spilled_mib"] == 0
     finally:
         stores.drop_store(opts.name)
     with caplog.at_level("WARNING", logger="actors.ray_store"):

@@ -108,3 +108,29 @@ def test_a_routed_call_counts_its_prefill_and_its_call_cost_where_it_went() -> N
 
 async def _held_by_b() -> Any:
     return {"a": Hits(), "b": Hits(device=16)}, {"b": 16}
+
+
+def test_a_call_is_hashed_with_its_own_salt() -> None:
+    """A tenant's call is ranked by the pages of its own salt (those its tenant's
+    backups and events name); a call of no salt by the deployment's."""
+    router: Any = CacheAwareRouter.__new__(CacheAwareRouter)
+    router.initialize_state(app="t", page_size=PAGE, salt="dep")
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in "ab"]
+    seen: list[list[str]] = []
+
+    async def held(candidates: Any, tokens: int, hashes: list[str]) -> Any:
+        seen.append(hashes)
+        return [(candidates[0], 1.0), (candidates[1], 2.0)]
+
+    router._held = held
+    for salt in ("tenant-salt", ""):
+        request = SimpleNamespace(tokens=SHARED, cache_salt=salt)
+        pending = SimpleNamespace(
+            args=[SimpleNamespace(request=request)],
+            metadata=SimpleNamespace(internal_request_id=f"call-{salt}"),
+        )
+        asyncio.run(router.choose_replicas(replicas, pending))
+    assert seen == [
+        page_hashes(SHARED, PAGE, salt="tenant-salt"),
+        page_hashes(SHARED, PAGE, salt="dep"),
+    ]

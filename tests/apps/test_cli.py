@@ -138,3 +138,12 @@ def test_an_address_nothing_answers_at_fails_within_the_timeout(not_ray: int) ->
         lines = [line for line in done.stderr.splitlines() if line.startswith("hicache-ray:")]
         assert len(lines) == 1 and address in lines[0], done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_the_start_says_who_may_call_the_server() -> None:
+    from apps.cli_commands import _door_note
+
+    assert "bound to 127.0.0.1 only" in _door_note({}, "127.0.0.1")
+    assert "WARNING" in _door_note({}, "0.0.0.0")
+    assert "need an API key" in _door_note({"api_key_sha256": "ab"}, "0.0.0.0")
+    assert "need an API key" in _door_note({"api_keys": "/k"}, "0.0.0.0")

@@ -35,8 +35,13 @@ def test_salts_share_nothing_in_any_tier() -> None:
     tokens = prompt(7, 32)
     rt = runtime(objects)
     assert run(rt, GenerateRequest("alice1", tokens, 2, cache_salt="alice")).recomputed_tokens == 32
+    drain(rt)
+    alices = {key for key, _, _ in objects.scan()}
     bob = run(rt, GenerateRequest("bob1", tokens, 2, cache_salt="bob"))
     assert bob.recomputed_tokens == 32 and _hits(bob) == (0, 0, 0)  # alice's L1 is not his
+    drain(rt)
+    bobs = {key for key, _, _ in objects.scan()} - alices
+    assert len(bobs) == len(alices) > 0  # his own L3 objects, none of hers
     plain = run(rt, GenerateRequest("plain1", tokens, 2))
     assert _hits(plain) == (0, 0, 0)  # nor the deployment's own
     again = run(rt, GenerateRequest("alice2", [*tokens, 1], 2, cache_salt="alice"))
