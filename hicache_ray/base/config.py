@@ -169,6 +169,11 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             computing the same tokens takes, as this rank measures both: a read expected
             to be slower is skipped (the tokens are computed) and a read is cut when
             computing would have finished, if that is sooner than the deadline above.
+        eager_reads: reserve host slots for a request's pages past its L2 hit when it is
+            admitted, if that many are free (nothing is evicted for them), so that each
+            rank starts reading the moment its own L3 query answers instead of at the
+            next step (under load, after a forward pass); the ranks still agree on what
+            is used. Off: the reads start once the ranks agreed on the count.
     """
 
     policy: PrefetchPolicy = "timeout"
@@ -178,6 +183,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     timeout_cap_s: float = 30.0
     max_host_fraction: float = 0.5
     recompute_guard: bool = True
+    eager_reads: bool = True
 
     def __post_init__(self) -> None:
         check_choice("prefetch_policy", self.policy, PrefetchPolicy)

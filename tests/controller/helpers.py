@@ -39,6 +39,7 @@ def controller_config(
     share_tp: tuple[int, ...] = (),
     share_pp: tuple[int, ...] = (),
     mem_layout: str = "page_first",
+    eager_reads: bool = True,
 ) -> CacheConfig:
     return CacheConfig(
         memory=MemoryConfig(
@@ -56,6 +57,7 @@ def controller_config(
             max_host_fraction=max_host_fraction,
             timeout_base_s=1.0,
             timeout_per_1k_tokens_s=0.0,
+            eager_reads=eager_reads,
         ),
         storage=StorageConfig(
             backend=backend,

@@ -185,8 +185,9 @@ class Claims:
         timed_out = -int(now >= c.deadline)
         if t is None:
             facts = Facts(c.cached, c.cached, 1, timed_out)
-        else:
-            finished = t.settled if c.fetch_started else 0 <= t.local_total <= c.cached
+        else:  # an eager task's reads start only once it is queried
+            done = t.queried.is_set() and t.settled
+            finished = done if c.fetch_started else 0 <= t.local_total <= c.cached
             facts = Facts(t.pages_read, t.local_total, int(finished), timed_out)
         if facts.finished and (timed_out or c.deadline == math.inf):
             c.final = facts  # nothing left to change: skip the work on later steps
@@ -222,6 +223,8 @@ class Claims:
             salt = arrival.cache_salt or self._config.storage.tenant_salt
             c.task = FetchTask(c.key, whole, cached, salt)
             self._tasks.add(c.task)
+            if prefetch.eager_reads:
+                self._reserve(c)
             self._prefetch.submit_query(c.task)
             if prefetch.policy == "timeout":
                 wait_s = prefetch.timeout_s((whole - cached) * ps)
@@ -230,6 +233,27 @@ class Claims:
                 c.deadline = c.admitted_at + wait_s
         self._stats.requests += 1
         return c
+
+    def _reserve(self, c: PrefixClaim) -> None:
+        """Make ``c``'s task eager: host slots for every page past its hit, when that many
+        are free within the prefetch quota (none is evicted for a query that may miss) and
+        worth reading; otherwise its reads wait for the agreed count (``_start_fetch``)."""
+        task = c.task
+        assert task is not None
+        want, alloc = task.num_pages - c.cached, self._cache.host_pool.allocator
+        within = self._config.prefetch.max_host_fraction >= 1 or (
+            self.prefetch_host_pages + want <= self._quota
+        )
+        if not within or want > alloc.num_free_pages:
+            return
+        if self._guarded and not self.cost.worth_reading(want, want * self._page_size):
+            return  # _start_fetch skips it again, and counts it
+        pages = alloc.allocate(want)
+        if pages is None:
+            return
+        task.host_pages, task.read_end, task.eager = pages, c.cached + want, True
+        self.prefetch_host_pages += want
+        c.fetch_started = True
 
     def _start_fetch(self, c: PrefixClaim, total: int) -> None:
         task, pipeline = c.task, self._prefetch
@@ -354,7 +378,12 @@ class Claims:
         stats.prefetch_latency_s += self._clock() - c.admitted_at
         if task.failure is Failure.QUERY_FAILED:
             stats.prefetch_query_failures += 1
-        if c.agreed is None or c.agreed.total <= ready:
+        if c.agreed is None:
+            return
+        if task.eager and 0 <= c.agreed.total < task.local_total:  # what a peer lacks
+            missed = task.local_total - max(c.agreed.total, task.start_page)
+            stats.unfulfilled_tokens[Unfulfilled.PEER_MISS] += missed * ps
+        if c.agreed.total <= ready:
             return
         missing = (c.agreed.total - ready) * ps
         if c.agreed.finished != 1:

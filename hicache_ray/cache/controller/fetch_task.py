@@ -14,7 +14,9 @@ __all__ = ["FetchTask", "no_progress"]
 class FetchTask:
     """One request's L3 work on this rank; page numbers count from the prompt's start.
 
-    Set by the scheduler thread: ``host_pages`` for pages ``[read_start, read_end)``.
+    Set by the scheduler thread: ``host_pages`` for pages ``[read_start, read_end)``;
+    ``eager`` when they were reserved at admission, before the query (the query thread then
+    shortens ``read_end`` to what it found and starts the reads itself).
     Set by the workers: ``hashes``, ``local_total`` (-1 until the query finished),
     ``pages_read`` (leading pages valid in L2, from ``read_start``), ``read_finished``,
     ``failure`` (why reading stopped early).
@@ -31,6 +33,7 @@ class FetchTask:
         self.read_start = self.read_end = start_page
         self.pages_read = start_page
         self.read_started = False
+        self.eager = False
         self.cancelled = False
         self.failure: Failure | None = None
         self.queried = threading.Event()

@@ -6,7 +6,9 @@ storage how many *leading* pages past the local hit exist, in batches of
 ``storage_batch_size`` pages, stopping at the first gap. Once the ranks have agreed on how
 many pages to fetch, the scheduler thread allocates host slots and hands the task to the
 :class:`ReadWorker`, which reads and verifies pages into those slots batch by batch,
-advancing ``pages_read`` (leading pages only) until done, cancelled or failed.
+advancing ``pages_read`` (leading pages only) until done, cancelled or failed. An *eager*
+task got its slots at admission: the query thread hands it to the reader itself, for the
+pages it found, without waiting for a step (the ranks agree on what is used later).
 
 Workers only read and write the task's own fields and its host slots; allocation, the
 tree and every collective stay on the scheduler thread. A task is ``settled`` once no
@@ -40,6 +42,7 @@ class QueryWorker(InboxWorker[FetchTask]):
         super().__init__("hicache-prefetch-query")
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
+        self.start_read: Callable[[FetchTask], None] = no_read  # PrefetchPipeline.submit_read
 
     def handle(self, task: FetchTask) -> None:
         task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
@@ -51,6 +54,12 @@ class QueryWorker(InboxWorker[FetchTask]):
         task.local_total = task.start_page
 
     def finished(self, task: FetchTask) -> None:
+        if task.eager and not task.cancelled:
+            # NOTE: read_started is set (by start_read) before the task reads as queried,
+            # so no step sees it queried with its reads not begun and calls it settled.
+            task.read_end = max(task.read_start, min(task.read_end, task.local_total))
+            if task.read_end > task.read_start:
+                self.start_read(task)
         task.mark_queried()
         self.progress()
 
@@ -82,6 +91,7 @@ class PrefetchPipeline:
     ) -> None:
         self.query = QueryWorker(storage, plan, host_pool.kv.page_size, batch_pages)
         self.read = ReadWorker(storage, plan, host_pool, batch_pages, read_threads)
+        self.query.start_read = self.submit_read
         self._closed = False
         self.query.start()
         self.read.start()
@@ -95,6 +105,8 @@ class PrefetchPipeline:
         self.query.inbox.put(task)
 
     def submit_read(self, task: FetchTask) -> None:
+        """Read ``task``'s pages ``[read_start, read_end)`` into its host slots (from the
+        scheduler thread, or from the query thread for an eager task)."""
         task.read_started = True
         task.read_started_at = time.perf_counter()
         self.read.inbox.put(task)
@@ -105,6 +117,11 @@ class PrefetchPipeline:
             return
         self._closed = True
         self.query.inbox.put(None)
+        self.query.join()  # first: the query thread hands eager tasks to the reader
         self.read.inbox.put(None)
-        self.query.join()
         self.read.join()
+
+
+def no_read(task: FetchTask) -> None:
+    """The query worker's ``start_read`` until a pipeline wires its reader."""
+    raise RuntimeError(f"no reader for eager task of {task.num_pages} pages")

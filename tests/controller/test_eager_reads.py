@@ -1,0 +1,139 @@
+"""Eager L3 reads: host slots reserved at admission, reads started by the query thread the
+moment the query answers (no step in between), and every way back to the agreed path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hicache_ray.cache.controller import Arrival
+from hicache_ray.cache.controller.fetch_task import FetchTask
+from hicache_ray.storage import MemoryObjects
+from tests.conftest import make_kv
+from tests.controller.driven import Driven
+from tests.controller.helpers import (
+    PAGE,
+    controller_config,
+    drain,
+    make_controller,
+    prompt,
+    run_request,
+    stored,
+)
+
+KV = make_kv(page_size=PAGE)
+
+
+def gate_queries(reader: Driven) -> threading.Event:
+    """Hold every L3 query of ``reader`` until the returned event is set (so it answers
+    after the admitting step, whatever the machine's speed)."""
+    assert reader.prefetch is not None
+    worker = reader.prefetch.query
+    leading, gate = worker._leading, threading.Event()
+
+    def gated(task: FetchTask) -> int:
+        assert gate.wait(30)
+        return leading(task)
+
+    worker._leading = gated  # type: ignore[method-assign]
+    return gate
+
+
+def test_the_reads_start_when_the_query_answers_without_a_step() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(41, 40)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(), KV, objects)
+    gate = gate_queries(reader)
+    used = reader.cache.host_pool.allocator.num_used_pages
+    reader.step([Arrival("r", [*tokens, 1])])
+    task = reader.known["r"].task
+    assert task is not None and task.eager and not task.queried.is_set()
+    gate.set()
+    assert task.read_finished.wait(30)  # no step was taken since the admitting one
+    assert task.pages_read == 10 and task.failure is None
+    cached, handle = run_request(reader, "r2", [*tokens, 2])  # an L2 hit on the read pages
+    assert cached == 10
+    reader.cancel("r")
+    reader.release(handle)
+    drain(reader)
+    reader.check_integrity()
+    assert reader.stats().host_pages_prefetching == 0
+    assert reader.cache.host_pool.allocator.num_used_pages >= used
+    reader.close()
+
+
+def test_off_the_reads_wait_for_the_agreed_count() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(42, 40)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(eager_reads=False), KV, objects)
+    gate = gate_queries(reader)
+    reader.step([Arrival("r", [*tokens, 1])])
+    task = reader.known["r"].task
+    assert task is not None and not task.eager
+    gate.set()
+    assert task.queried.wait(30) and not task.read_started
+    result = reader.step()
+    while "r" not in result.runnable:
+        reader.settle(timeout=30)
+        result = reader.step()
+    assert task.read_started and task.pages_read == 10
+    reader.release(reader.take("r"))
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
+
+
+def test_a_quota_too_small_for_every_page_falls_back_to_the_agreed_read() -> None:
+    objects = MemoryObjects()
+    tokens = prompt(43, 40)
+    stored(objects, tokens)
+    # 64 host pages, a tenth of them for prefetches: 6 of the 10 pages, read after agreeing
+    reader = make_controller(controller_config(max_host_fraction=0.1), KV, objects)
+    cached, handle = run_request(reader, "r", [*tokens, 1])
+    assert cached == 6
+    assert reader.stats().unfulfilled_tokens["prefetch_quota"] == 4 * PAGE
+    reader.release(handle)
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
+
+
+def test_a_miss_reads_nothing_and_returns_its_slots() -> None:
+    reader = make_controller(controller_config(), KV, MemoryObjects())
+    free = reader.cache.host_pool.allocator.num_free_pages
+    reader.step([Arrival("r", prompt(44, 40))])
+    task = reader.known["r"].task
+    assert task is not None and task.eager and len(task.host_pages) == 10
+    assert task.queried.wait(30) and not task.read_started
+    result = reader.step()
+    assert "r" in result.runnable
+    handle = reader.take("r")
+    assert handle.num_cached_tokens == 0 and reader.stats().host_pages_prefetching == 0
+    assert reader.cache.host_pool.allocator.num_free_pages == free
+    reader.release(handle)
+    reader.close()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "agreed"])
+def test_cancelled_before_its_query_answers_it_reads_nothing(eager: bool) -> None:
+    objects = MemoryObjects()
+    tokens = prompt(45, 40)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(eager_reads=eager), KV, objects)
+    gate = gate_queries(reader)
+    free = reader.cache.host_pool.allocator.num_free_pages
+    reader.step([Arrival("r", [*tokens, 1])])
+    task = reader.known["r"].task
+    assert task is not None and task.eager is eager
+    reader.step(aborts=["r"])  # cancelled (and its slots freed) while the query runs
+    assert "r" not in reader.known
+    gate.set()
+    assert task.queried.wait(30)
+    assert not task.read_started and task.pages_read == 0
+    drain(reader)
+    reader.check_integrity()
+    assert reader.cache.host_pool.allocator.num_free_pages == free
+    reader.close()
