@@ -3,9 +3,10 @@
 (a) For each prefix length, a prompt of that prefix plus new tokens is served with its
 prefix in L1, in L2 (evicted from the device first), in L3 only (a new deployment over the
 same store), and not at all (full recompute). L1 and L2 hits run in pairs on one
-deployment; ``runtime.l2_hit.overhead_vs_floor`` is the median over pairs of (L2 TTFT - L1
-TTFT) / the memcpy time of the bytes the L2 hit moves (measured right after it), at the
-longest prefix (where that floor stands highest above TTFT noise).
+deployment, every other pair L2 first; ``runtime.l2_hit.overhead_vs_floor`` is the median
+over pairs of (L2 TTFT - L1 TTFT) / the memcpy time of the bytes the L2 hit moves
+(measured right after it), at the longest prefix (where that floor stands highest above
+TTFT noise).
 ``runtime.l3_prefetch_vs_store``: an L3 hit's prefetch wait over the time the store's bytes
 take alone plus 10 ms (the memory store delivers by copying: the copy of the same bytes).
 (b) Pure-miss overhead: prompts that share nothing, served with the full cache (host writes,
@@ -123,6 +124,22 @@ def _copy_floor_s(nbytes: int) -> float:
     return statistics.median(samples)
 
 
+def _pair(
+    dep: _Deployment, l1_prompt: list[int], l2_prompt: list[int], l2_first: bool
+) -> tuple[RequestResult, RequestResult]:
+    """An L1 hit and an L2 hit of the prefix on the device (``l2_first``: evicted first,
+    then the L2 hit, whose load puts it back for the L1 hit)."""
+    if l2_first:
+        dep.evict_device()
+    first = dep.serve(l2_prompt if l2_first else l1_prompt)
+    dep.drain()
+    if not l2_first:
+        dep.evict_device()
+    second = dep.serve(l1_prompt if l2_first else l2_prompt)
+    dep.drain()
+    return (second, first) if l2_first else (first, second)
+
+
 def _tier_figures(
     model: ModelConfig, opts: RuntimeBenchOptions, log: Callable[[str], None]
 ) -> list[Figure]:
@@ -143,22 +160,18 @@ def _tier_figures(
         results["miss"].append(first.serve(prompt(1)))
         ttft["miss"].append(results["miss"][-1].ttft_s)
         first.drain()
-        # L1 and L2 hits in pairs (the L2 hit's load leaves the prefix on the device for
-        # the next L1 hit), so each difference sees the same machine state.
+        # L1 and L2 hits in pairs (an L2 hit's load leaves the prefix on the device for an
+        # L1 hit), so each difference sees the same machine state; every other pair serves
+        # its L2 hit first, so whatever the first hit of a pair pays falls on both tiers.
         for pair in range(3 * opts.repeats):
-            l1_result = first.serve(prompt(10 + pair))
-            l1 = l1_result.ttft_s
-            first.drain()
-            first.evict_device()
-            l2 = first.serve(prompt(50 + pair))
-            first.drain()
+            l1_result, l2 = _pair(first, prompt(10 + pair), prompt(50 + pair), pair % 2 == 1)
             results["l1"].append(l1_result)
             results["l2"].append(l2)
             floor = _copy_floor_s(l2.host_hit_tokens // opts.page_size * first.page_bytes)
-            ttft["l1"].append(l1)
+            ttft["l1"].append(l1_result.ttft_s)
             ttft["l2"].append(l2.ttft_s)
             floors.append(floor)
-            overheads.append((l2.ttft_s - l1) / floor)
+            overheads.append((l2.ttft_s - l1_result.ttft_s) / floor)
         first.close()
         for rep in range(opts.repeats):  # a new deployment each time: the prefix is in L3 only
             other = _Deployment(model, opts, objects)
