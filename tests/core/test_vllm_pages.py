@@ -243,6 +243,14 @@ def test_bad_extra_config_is_refused_naming_the_option(extra: Any, named: str) -
         parse_options(extra)
 
 
+def test_a_bad_nested_key_is_answered_with_the_keys_of_its_level() -> None:
+    with pytest.raises(ConfigError, match=r"use the keys \[.*'num_shards'.*\]") as bad:
+        parse_options({"ray": {"nmae": "shared"}})
+    assert "'store'" not in str(bad.value).rpartition("use the keys")[2]
+    with pytest.raises(ConfigError, match=r"use the keys \[.*'layout'.*'store'"):
+        parse_options({"stores": "ray"})
+
+
 def test_options_make_the_storage_namespace() -> None:
     options = parse_options({"store": "file", "file": {"root": "/x"}, "model_revision": "r1"})
     storage = storage_config(options, "served/model")

@@ -182,11 +182,20 @@ def parse_options(extra: object) -> VLLMStoreOptions:
         return msgspec.convert(ours, VLLMStoreOptions, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(
-            "kv_connector_extra_config",
-            ours,
-            str(exc),
-            f"use the keys {sorted(VLLMStoreOptions.__struct_fields__)}",
+            "kv_connector_extra_config", ours, str(exc), f"use the keys {_keys_at(str(exc))}"
         ) from None
+
+
+def _keys_at(error: str) -> list[str]:
+    """The keys accepted where a validation ``error`` points (``... - at `$.ray```): those
+    of the nested options it names, else the top level's."""
+    struct: Any = VLLMStoreOptions
+    _, _, path = error.rpartition(" - at `$")
+    for part in path.rstrip("`").split("."):
+        nested = {f.name: f.type for f in msgspec.structs.fields(struct)}.get(part)
+        if isinstance(nested, type) and issubclass(nested, msgspec.Struct):
+            struct = nested
+    return sorted(struct.__struct_fields__)
 
 
 def model_kv(vllm_config: Any) -> tuple[ModelKV, int]:
