@@ -291,7 +291,7 @@ class Claims:
         if c.agreed is None:
             raise HiCacheError(f"request {c.rid!r} has no agreed prefix yet; take runnable ones")
         self._end(c)
-        cache, tree = self._cache, self._cache.tree
+        cache, tree, salt = self._cache, self._cache.tree, c.arrival.cache_salt
         ready = c.agreed.ready if max_pages is None else min(c.agreed.ready, max_pages)
         useful = self._finish_task(c, ready, count=True)
         dropped = None
@@ -302,13 +302,11 @@ class Claims:
                 dropped = useful  # the host tier must stay a superset of the device tier
                 self._stats.refills_dropped += 1
             else:
-                salt = c.arrival.cache_salt
                 result = tree.insert_host(c.key, c.task.read_start, useful, salt=salt)
                 cache.host_pool.allocator.free(result.duplicate_pages)
                 for node in result.new_nodes + result.adopted_nodes:
                     node.backup = BackupTask.already_stored(node)  # children may be stored
             self._stats.storage_hit_tokens += len(useful) * self._page_size
-        salt = c.arrival.cache_salt
         handle = cache.match(c.key, limit_pages=ready, extra_host_pages=dropped, salt=salt)
         handle.prompt_key = c.prompt_key
         handle.storage_hit_tokens = len(useful) * self._page_size
