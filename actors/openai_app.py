@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from actors.deployment import Deployment
+from actors.http_body import read_body
 from actors.openai_engine import RETRY_AFTER_S, EngineCall, OpenAIEngine, parse_call, prepend
 from actors.stores import drop_store, set_quotas
 from hicache_ray.engine.spec import DeploymentConfig
@@ -53,7 +54,7 @@ __all__ = [
     "serve_app",
 ]
 
-MAX_BODY_BYTES = 4 << 20
+MAX_BODY_BYTES = 4 << 20  # bodies up to 4x this are read to their end first (http_body.py)
 log = logging.getLogger(__name__)
 NO_KEYS = KeySpec()  # a door every caller may use
 
@@ -123,15 +124,10 @@ class _Front(ABC):
         return JSONResponse(await self._respond(call))
 
     async def _read(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        data = await read_body(request, MAX_BODY_BYTES)
+        if data is None:
             raise OpenAIError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="too_large")
-        data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > MAX_BODY_BYTES:
-                raise OpenAIError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="too_large")
-        return bytes(data)
+        return data
 
     @abstractmethod
     async def _respond(self, call: EngineCall) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from actors import Deployment, DeploymentConfig
+from actors.http_body import read_body
 from actors.lifecycle import DeploymentError
 from actors.stores import drop_store
 from hicache_ray.base.config import CacheConfig, MemoryConfig
@@ -43,19 +44,6 @@ class Body(msgspec.Struct, forbid_unknown_fields=True):
     tokens: list[int]
     max_new_tokens: int = 16
     rid: str | None = None
-
-
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes | None:
-    """The body, or None when it is longer than ``limit`` bytes (read no further)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    data = bytearray()
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > limit:
-            return None
-    return bytes(data)
 
 
 def decode_body(data: bytes) -> Body | str:
@@ -101,7 +89,7 @@ class CacheApp:
         self._ids = itertools.count()
 
     async def __call__(self, request: Request) -> Any:
-        data = await read_body(request)
+        data = await read_body(request, MAX_BODY_BYTES)
         if data is None:
             return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
         body = decode_body(data)
