@@ -149,11 +149,11 @@ class _Publisher(threading.Thread):
     def __init__(self, deployment: Deployment, app: str, replica: str) -> None:
         super().__init__(name="hicache-events", daemon=True)
         self._deployment, self._app, self._replica = deployment, app, replica
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._index: Any = None
 
     def run(self) -> None:
-        while not self._stop.wait(PUBLISH_EVERY_S):
+        while not self._halt.wait(PUBLISH_EVERY_S):
             try:
                 self._publish()
             except ray.exceptions.ActorDiedError as exc:
@@ -176,7 +176,7 @@ class _Publisher(threading.Thread):
             ray.get(self._index.remove.remote(self._replica), timeout=10)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         if self._index is not None:
             self._index.remove.remote(self._replica)
 

@@ -39,6 +39,7 @@ __all__ = [
     "MEDIUM",
     "STORE_MEDIUM",
     "check_position",
+    "kept_since",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -120,6 +121,16 @@ def check_position(epoch: object, seq: object) -> tuple[str, int]:
     return epoch, seq
 
 
+def kept_since(kept: deque[EventBatch], last: int, seq: int) -> list[EventBatch] | None:
+    """The batches of ``kept`` (the last of them ``last``) after ``seq``; None when some
+    of them are no longer kept."""
+    if seq >= last:
+        return []
+    if not kept or kept[0].seq > seq + 1:
+        return None
+    return [b for b in kept if b.seq > seq]
+
+
 class CacheEvents:
     """The journal of one tree (attach with ``tree.observer = journal``).
 
@@ -188,11 +199,7 @@ class CacheEvents:
         """The batches after ``seq`` (any thread); None when some of them are no longer
         kept (the subscriber takes a :meth:`snapshot` instead)."""
         with self._lock:
-            if seq >= self.seq:
-                return []
-            if not self._kept or self._kept[0].seq > seq + 1:
-                return None
-            return [b for b in self._kept if b.seq > seq]
+            return kept_since(self._kept, self.seq, seq)
 
     def snapshot(self) -> EventBatch:
         """The whole tree as one batch (``AllBlocksCleared``, then every node's copies,

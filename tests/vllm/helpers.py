@@ -26,8 +26,9 @@ def file_store(root: Path, **extra: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def engine(checkpoint: Path, extra: dict[str, Any]) -> Iterator[Any]:
-    """A vLLM ``LLM`` of ``checkpoint`` whose connector has ``extra``; torn down after."""
+def engine(checkpoint: Path, extra: dict[str, Any], **options: Any) -> Iterator[Any]:
+    """A vLLM ``LLM`` of ``checkpoint`` whose connector has ``extra`` (and ``options``, more
+    of ``LLM``'s arguments); torn down after."""
     from vllm import LLM
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
@@ -42,6 +43,7 @@ def engine(checkpoint: Path, extra: dict[str, Any]) -> Iterator[Any]:
         max_model_len=512,
         seed=0,
         kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
+        **options,
     )
     try:
         yield llm
