@@ -253,3 +253,42 @@ def test_requests_waiting_on_a_slow_l3_do_not_spin_the_ranks(ray_local: None) ->
     finally:
         reader.shutdown()
         actors.drop_store(store)
+
+
+def test_a_rank_killed_during_an_eager_l3_read_re_forms_and_answers(ray_local: None) -> None:
+    store = store_name()
+    writer = _launch("eager-writer", store)
+    tokens = prompt(12, 64)
+    try:
+        writer.generate([GenerateRequest("w", tokens, 1)])
+        writer.wait_idle(timeout_s=30)
+    finally:
+        writer.shutdown()
+    base = cache_config(store)  # eager reads are on by default
+    slow = msgspec.structs.replace(
+        base.storage, faults=(Fault(op="read", kind="delay", delay_s=5.0, limit=1),)
+    )
+    cache = msgspec.structs.replace(
+        base, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0), storage=slow
+    )
+    reader = _launch("eager-reader", cache=cache)
+    try:
+        follow = tokens + prompt(13, 3)
+        future: Future[Any] = reader.submit(GenerateRequest("r", follow, 4))
+
+        def reading() -> bool:  # its slots are held: the query answers in ms, the read takes 5 s
+            stats = ray.get(_actor(reader, 0, 1).stats.remote(), timeout=30).controller
+            return stats is not None and stats.running_prefetches >= 1
+
+        wait_until(reading, 60, "rank 1's L3 read")
+        ray.kill(_actor(reader, 0, 1), no_restart=True)
+        assert future.result(timeout=180).output_tokens == recompute(follow, 4)
+        assert reader.generation == 1 and reader.state.value == "serving"
+        again = reader.generate([GenerateRequest("again", follow, 4)])[0]
+        assert again.output_tokens == recompute(follow, 4)
+        reader.wait_idle(timeout_s=30)
+        for rank in range(2):
+            ray.get(_actor(reader, 1, rank).check_integrity.remote(), timeout=30)
+    finally:
+        reader.shutdown()
+        actors.drop_store(store)
