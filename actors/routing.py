@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,12 +37,12 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from actors.deployment import Deployment
+from actors.index_actor import IndexActor, Publisher, index_actor
 from actors.openai_engine import EngineCall, OpenAIEngine
-from hicache_ray.cache.events import EventBatch
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.keys import page_hashes
 from hicache_ray.serving.cache_index import Hits
-from hicache_ray.serving.index_feed import FeedUpdate, IndexCopy, IndexFeed
+from hicache_ray.serving.index_feed import IndexCopy
 from hicache_ray.serving.openai.text import text_codec
 from hicache_ray.serving.route_cost import InFlight, RouteWeights, hold, rank_replicas, work
 
@@ -51,134 +50,9 @@ __all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
 
 log = logging.getLogger(__name__)
 
-PUBLISH_EVERY_S = 0.02  # how often a replica sends its new cache events to the index
 INDEX_WAIT_S = 0.1  # a routing decision waits this long for the index, then goes pow2
 COPY_EVERY_S = 0.02  # how often a router updates its copy of the index
 COPY_FRESH_S = 1.0  # a copy older than this is not read: the router asks the index
-SILENT_S = 30.0  # a replica that has not published for this long is gone from the index
-_NAMESPACE = "hicache"
-
-
-class IndexActor:
-    """The application's index (an actor named after it): replicas write, routers read.
-    Its size and each replica's lag are gauges: ``hicache_route_index_pages`` (tag
-    ``app``) and ``hicache_route_index_lag_seconds`` (tags ``app``, ``replica``)."""
-
-    def __init__(self, app: str = "") -> None:
-        from ray.util.metrics import Gauge
-
-        self.feed = IndexFeed()
-        self.index = self.feed.index
-        self._app = app
-        self._seen: dict[str, float] = {}  # replica -> when it last asked its position
-        self._pages = Gauge(
-            "hicache_route_index_pages",
-            description="page entries the cache router's index holds (every replica, tier)",
-            tag_keys=("app",),
-        )
-        self._lag = Gauge(
-            "hicache_route_index_lag_seconds",
-            description="age of the newest cache-event batch applied, per replica",
-            tag_keys=("app", "replica"),
-        )
-
-    def _observe(self, replica: str) -> None:
-        self._pages.set(self.index.size, tags={"app": self._app})
-        lag = self.index.lag_s(replica, time.time())
-        self._lag.set(lag, tags={"app": self._app, "replica": replica})
-
-    def position(self, replica: str) -> tuple[str, int]:
-        """Where ``replica``'s journal stands here; the publisher asks every round, so this
-        is its heartbeat: a replica silent for ``SILENT_S`` (killed without a goodbye) is
-        forgotten, its pages with it."""
-        now = time.monotonic()
-        self._seen[replica] = now
-        for other, seen in list(self._seen.items()):
-            if now - seen > SILENT_S:
-                del self._seen[other]
-                self.feed.remove(other)
-        return self.index.position(replica)
-
-    def apply(self, replica: str, batches: list[EventBatch]) -> bool:
-        """Apply ``replica``'s batches in order; False at the first that does not follow."""
-        applied = self.feed.apply(replica, batches)
-        self._observe(replica)
-        return applied
-
-    def reset(self, replica: str, snapshot: EventBatch) -> None:
-        self.feed.reset(replica, snapshot)
-        self._observe(replica)
-
-    def remove(self, replica: str) -> None:
-        self._seen.pop(replica, None)
-        self.feed.remove(replica)
-
-    def changes(self, epoch: str, seq: int) -> FeedUpdate:
-        """What a router's copy of the index at ``(epoch, seq)`` needs
-        (:meth:`~hicache_ray.serving.index_feed.IndexFeed.changes`)."""
-        return self.feed.changes(epoch, seq)
-
-    def hits(self, replicas: list[str], hashes: list[str]) -> dict[str, Hits]:
-        return {r: self.index.hits(r, hashes) for r in replicas}
-
-    def facts(
-        self, replicas: list[str], hashes: list[str]
-    ) -> tuple[dict[str, Hits], dict[str, int]]:
-        """:meth:`~hicache_ray.serving.cache_index.CacheIndex.facts` (a router whose copy
-        of the index is not fresh asks this)."""
-        return self.index.facts(replicas, hashes)
-
-    def size(self) -> int:
-        return self.index.size
-
-    def replicas(self) -> list[str]:
-        return self.index.replicas
-
-
-def index_actor(app: str) -> Any:
-    """The index of application ``app`` (made by whoever asks first; it lives as long as
-    that replica, and the next one to ask makes it again)."""
-    name = f"hicache-index-{app}"
-    actor = ray.remote(num_cpus=0)(IndexActor)
-    return actor.options(name=name, namespace=_NAMESPACE, get_if_exists=True).remote(app)
-
-
-class _Publisher(threading.Thread):
-    """Sends one deployment's cache events to the index, every ``PUBLISH_EVERY_S``."""
-
-    def __init__(self, deployment: Deployment, app: str, replica: str) -> None:
-        super().__init__(name="hicache-events", daemon=True)
-        self._deployment, self._app, self._replica = deployment, app, replica
-        self._halt = threading.Event()
-        self._index: Any = None
-
-    def run(self) -> None:
-        while not self._halt.wait(PUBLISH_EVERY_S):
-            try:
-                self._publish()
-            except ray.exceptions.ActorDiedError as exc:
-                if "IndexActor" in str(exc):  # its maker went: asked for (made) again
-                    self._index = None
-                log.debug("cache events of %s not published: %s", self._replica, exc)
-            except Exception as exc:  # the ranks are re-forming, or slow: next round
-                log.debug("cache events of %s not published: %s", self._replica, exc)
-
-    def _publish(self) -> None:
-        if self._index is None:
-            self._index = index_actor(self._app)
-        epoch, seq = ray.get(self._index.position.remote(self._replica), timeout=10)
-        batches = self._deployment.cache_events(epoch, seq)
-        if batches is None:
-            snapshot = self._deployment.cache_snapshot()
-            ray.get(self._index.reset.remote(self._replica, snapshot), timeout=10)
-        elif batches and not ray.get(self._index.apply.remote(self._replica, batches), timeout=10):
-            # a gap: forgotten, so the next round's position asks for a snapshot
-            ray.get(self._index.remove.remote(self._replica), timeout=10)
-
-    def stop(self) -> None:
-        self._halt.set()
-        if self._index is not None:
-            self._index.remove.remote(self._replica)
 
 
 class EngineReplica:
@@ -192,7 +66,7 @@ class EngineReplica:
         self.deployment = Deployment.launch(config)
         codec = text_codec(config.model.checkpoint)
         self.engine = OpenAIEngine(self.deployment, codec, replica)
-        self._publisher = _Publisher(self.deployment, app, replica)
+        self._publisher = Publisher(self.deployment, app, replica)
         self._publisher.start()
 
     async def respond(self, call: EngineCall) -> dict[str, Any]:
@@ -238,11 +112,10 @@ class CacheAwareRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        call = pending_request.args[0] if pending_request and pending_request.args else None
-        request = getattr(call, "request", None)
-        tokens = getattr(request, "tokens", None)
-        if len(candidate_replicas) > 1 and tokens and self._page_size:
-            salt = getattr(request, "cache_salt", "") or self._salt  # the call's tenant
+        prompt = self._prompt(pending_request) if len(candidate_replicas) > 1 else None
+        if prompt is not None and prompt[0] and self._page_size:
+            tokens, salt = prompt
+            salt = salt or self._salt  # the call's tenant, else the deployment's
             hashes = page_hashes(tokens, self._page_size, salt=salt or None)
             ranked = await self._held(candidate_replicas, len(tokens), hashes)
             best, cost = ranked[0]
@@ -255,6 +128,13 @@ class CacheAwareRouter(RequestRouter):
             order = [replica for replica, _ in ranked]
             return [[best], order[1:]]
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+    def _prompt(self, pending_request: PendingRequest | None) -> tuple[list[int], str] | None:
+        """The call's prompt token ids and its own cache salt; None when it has none."""
+        call = pending_request.args[0] if pending_request and pending_request.args else None
+        request = getattr(call, "request", None)
+        tokens = getattr(request, "tokens", None)
+        return (tokens, getattr(request, "cache_salt", "") or "") if tokens else None
 
     @property
     def max_num_routing_tasks(self) -> int:

@@ -43,7 +43,7 @@ def router_cost_figures(
     decisions: int = 200,
 ) -> list[Figure]:
     """The p50 and p99 of one decision, in ms (see the module docstring)."""
-    from actors.routing import index_actor
+    from actors.index_actor import index_actor
 
     names = [f"replica-{i}" for i in range(replicas)]
     prompts = [random_tokens(vocab, prompt_len, 40_000 + i) for i in range(decisions)]

@@ -1,7 +1,7 @@
 """The cache index as a feed: the application's index and the log of what changed it, so
 each router keeps its own copy and decides without a call on the request's path.
 
-The index actor (:class:`actors.routing.IndexActor`) owns an :class:`IndexFeed`: every
+The index actor (:class:`actors.index_actor.IndexActor`) owns an :class:`IndexFeed`: every
 batch it applies, every reset and every removal of a replica gets the feed's next
 sequence number and is kept (the last ``keep`` of them). A router's :class:`IndexCopy`
 asks for the changes after the last one it applied (:meth:`IndexFeed.changes`); when

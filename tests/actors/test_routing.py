@@ -223,11 +223,11 @@ def test_a_replica_silent_for_long_is_forgotten_by_the_index(
 ) -> None:
     """A replica killed without a goodbye stops asking its position (the publisher's
     heartbeat); after ``SILENT_S`` its pages leave the index."""
-    from actors.routing import SILENT_S, IndexActor
+    from actors.index_actor import SILENT_S, IndexActor
     from hicache_ray.cache.events import BlockStored, EventBatch, KVEventBatch
 
     now = [100.0]
-    monkeypatch.setattr("actors.routing.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("actors.index_actor.time.monotonic", lambda: now[0])
     index = IndexActor("silent")
     for replica in ("a", "b"):
         stored = BlockStored([f"{replica}-page"], None, [1, 2, 3, 4], PAGE, medium="GPU")

@@ -4,7 +4,7 @@ checkpoint both engines load (head_dim 32: vLLM's CPU attention needs 32 or more
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,9 @@ def file_store(root: Path, **extra: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def engine(checkpoint: Path, extra: dict[str, Any], **options: Any) -> Iterator[Any]:
-    """A vLLM ``LLM`` of ``checkpoint`` whose connector has ``extra`` (and ``options``, more
-    of ``LLM``'s arguments); torn down after."""
+def engine(checkpoint: Path, extra: dict[str, Any] | None, **options: Any) -> Iterator[Any]:
+    """A vLLM ``LLM`` of ``checkpoint`` whose connector has ``extra`` (None: no connector),
+    and ``options``, more of ``LLM``'s arguments; torn down after."""
     from vllm import LLM
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
@@ -42,7 +42,9 @@ def engine(checkpoint: Path, extra: dict[str, Any], **options: Any) -> Iterator[
         block_size=PAGE,
         max_model_len=512,
         seed=0,
-        kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
+        kv_transfer_config=None
+        if extra is None
+        else {**CONNECTOR, "kv_connector_extra_config": extra},
         **options,
     )
     try:
@@ -57,6 +59,13 @@ def engine(checkpoint: Path, extra: dict[str, Any], **options: Any) -> Iterator[
         destroy_distributed_environment()
 
 
+@contextmanager
+def plain_engine(checkpoint: Path) -> Iterator[Callable[[list[int], int], list[int]]]:
+    """Greedy answers of a plain vLLM engine of ``checkpoint`` (no connector)."""
+    with engine(checkpoint, None) as llm:
+        yield lambda tokens, max_new: generate(llm, tokens, max_new, drain=False)[0]
+
+
 def prompt_ids(seed: int, n: int) -> list[int]:
     """``n`` random token ids of the tiny checkpoint's vocabulary (no special tokens)."""
     import torch
@@ -66,10 +75,10 @@ def prompt_ids(seed: int, n: int) -> list[int]:
 
 
 def generate(
-    llm: Any, tokens: list[int], max_new: int = 8, salt: str = ""
+    llm: Any, tokens: list[int], max_new: int = 8, salt: str = "", drain: bool = True
 ) -> tuple[list[int], int]:
     """Greedy answer ids and vLLM's cached prompt tokens (its own and the connector's);
-    waits until the pages the run stored are in the store."""
+    waits until the pages the run stored are in the store (``drain``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -78,7 +87,8 @@ def generate(
         prompt["cache_salt"] = salt
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     (out,) = llm.generate([prompt], params, use_tqdm=False)
-    worker().drain_saves()
+    if drain:
+        worker().drain_saves()
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 

@@ -1,0 +1,198 @@
+"""vLLM engine replicas as a cache cluster, on Ray Serve LLM.
+
+Ray Serve LLM (``ray.serve.llm``: ``LLMServer`` replicas behind its OpenAI ingress) runs
+vLLM's CPU build here, so the cluster plugs into it instead of wrapping vLLM anew:
+
+* every replica is a :class:`HiCacheLLMServer` (Ray LLM's ``LLMServer``, ``server_cls``):
+  its vLLM engine stores and loads pages through ``HiCacheRayConnector`` on the shared
+  store (``engine_kwargs["kv_transfer_config"]``), and publishes its KV events on ZeroMQ
+  sockets of its own (``kv_events_config``, set here per replica). A
+  :class:`~hicache_ray.integrations.vllm.event_feed.VllmEventFeed` renames them by page
+  hashes (:class:`~hicache_ray.integrations.vllm.events.VllmJournal`) and a
+  :class:`~actors.index_actor.Publisher` sends them to the application's index, as an
+  engine replica of this library does;
+* the ``cache`` router is :class:`VllmCacheRouter`: the cache router of
+  :mod:`actors.routing` (the same cost by tier and load), reading the prompt from Ray
+  LLM's request (vLLM's ``CompletionRequest`` or ``ChatCompletionRequest``): token ids as
+  sent, or the text tokenized as vLLM tokenizes it (the model's tokenizer and chat
+  template); ``prefix`` is Ray's ``PrefixCacheAffinityRouter``; ``pow2`` Serve's default.
+
+:func:`vllm_cluster_config` turns an ``LLMConfig`` into the cluster's; build the app with
+Ray LLM's ``build_openai_app``. Runs where vLLM and ``ray[serve,llm]`` are installed
+(``make setup-vllm``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from typing import Any
+
+from ray import serve
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.serve.request_router import PendingRequest
+
+from actors.index_actor import Publisher
+from actors.routing import PREFIX_ROUTER, CacheAwareRouter
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.integrations.vllm.event_feed import VllmEventFeed
+from hicache_ray.integrations.vllm.events import VllmJournal
+
+__all__ = ["HiCacheLLMServer", "VllmCacheRouter", "vllm_cluster_config"]
+
+log = logging.getLogger(__name__)
+
+INDEX_KEY = "hicache_index"  # experimental_configs: the application's index name
+ROUTERS = ("cache", "prefix", "pow2")
+
+
+def _connector_options(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    transfer = engine_kwargs.get("kv_transfer_config")
+    if not isinstance(transfer, dict) or transfer.get("kv_connector") != "HiCacheRayConnector":
+        raise ConfigError(
+            "engine_kwargs.kv_transfer_config",
+            transfer,
+            "the replicas share pages through the connector",
+            "set kv_connector HiCacheRayConnector, kv_connector_module_path "
+            "hicache_ray.integrations.vllm (docs/vllm.md)",
+        )
+    options = transfer.get("kv_connector_extra_config", {})
+    return options if isinstance(options, dict) else {}
+
+
+def vllm_cluster_config(
+    llm_config: Any, app: str, router: str = "cache", weights: dict[str, float] | None = None
+) -> Any:
+    """``llm_config`` (Ray LLM's ``LLMConfig`` of a vLLM model whose ``engine_kwargs`` set
+    ``block_size`` and the connector) as replicas of the cache cluster ``app``, routed
+    by ``router``; ``weights``: the cache router's (:meth:`CacheAwareRouter.
+    initialize_state`)."""
+    if router not in ROUTERS:
+        raise ConfigError("router", router, "unknown router", f"use one of {', '.join(ROUTERS)}")
+    kwargs = dict(llm_config.engine_kwargs)
+    page = kwargs.get("block_size")
+    if type(page) is not int or page <= 0:
+        raise ConfigError(
+            "engine_kwargs.block_size", page, "it is the page size", "set it (an int > 0)"
+        )
+    if "kv_events_config" in kwargs:
+        raise ConfigError(
+            "engine_kwargs.kv_events_config",
+            kwargs["kv_events_config"],
+            "the cluster sets it per replica (its own ZeroMQ sockets)",
+            "leave it out",
+        )
+    salt = str(_connector_options(kwargs).get("tenant_salt", ""))
+    deployment = dict(llm_config.deployment_config)
+    if router != "pow2":
+        options: dict[str, Any] = {"request_router_class": PREFIX_ROUTER}
+        if router == "cache":
+            tokenizer = llm_config.model_loading_config.model_source or llm_config.model_id
+            options = {
+                "request_router_class": "actors.vllm_serve:VllmCacheRouter",
+                "request_router_kwargs": {
+                    "app": app, "page_size": page, "salt": salt,
+                    "tokenizer": str(tokenizer), **(weights or {}),
+                },
+            }  # fmt: skip
+        deployment["request_router_config"] = options
+    experimental = {**llm_config.experimental_configs, INDEX_KEY: app}
+    return llm_config.model_copy(
+        update={
+            "server_cls": HiCacheLLMServer,
+            "deployment_config": deployment,
+            "experimental_configs": experimental,
+        }
+    )
+
+
+class HiCacheLLMServer(LLMServer):
+    """Ray LLM's ``LLMServer`` whose engine's KV events feed the application's index."""
+
+    async def __init__(self, llm_config: Any, **kwargs: Any) -> None:  # type: ignore[misc]
+        replica = serve.get_replica_context().replica_id.unique_id
+        self._events_dir = tempfile.mkdtemp(prefix="hicache-vllm-events-")
+        endpoint = f"ipc://{self._events_dir}/pub"
+        replay = f"ipc://{self._events_dir}/replay"
+        # this replica's copy of the config (the engine config it caches included)
+        llm_config.update_engine_kwargs(
+            kv_events_config={
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": endpoint,
+                "replay_endpoint": replay,
+            }
+        )
+        engine_kwargs = llm_config.engine_kwargs
+        salt = str(_connector_options(engine_kwargs).get("tenant_salt", ""))
+        self._journal = VllmJournal(int(engine_kwargs["block_size"]), salt)
+        self._feed = VllmEventFeed(self._journal, endpoint, replay)
+        self._feed.start()  # it connects before the engine binds: nothing is missed
+        await super().__init__(llm_config, **kwargs)
+        app = str(llm_config.experimental_configs.get(INDEX_KEY, ""))
+        self._publisher = Publisher(self._journal, app, replica)
+        self._publisher.start()
+
+    def events_seen(self) -> dict[str, int]:
+        """The journal's counts: vLLM batches taken, blocks it could not name, restarts."""
+        journal = self._journal
+        return {
+            "last_vllm_seq": journal.last_vllm_seq,
+            "unnamed": journal.unnamed,
+            "gaps": journal.gaps,
+        }
+
+    async def __del__(self) -> None:
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.stop()
+        feed = getattr(self, "_feed", None)
+        if feed is not None:
+            feed.stop()
+        await super().__del__()
+        shutil.rmtree(getattr(self, "_events_dir", ""), ignore_errors=True)
+
+
+class VllmCacheRouter(CacheAwareRouter):
+    """The cache router over Ray LLM's requests (see the module docstring); one more
+    ``request_router_kwargs`` than :class:`CacheAwareRouter`: ``tokenizer``, the model's
+    (a path or Hugging Face id, as vLLM loads it)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**kwargs)
+        self._tokenizer_source = str(kwargs.get("tokenizer", ""))
+        self._tokenizer: Any = None
+
+    def _prompt(self, pending_request: PendingRequest | None) -> tuple[list[int], str] | None:
+        request = pending_request.args[0] if pending_request and pending_request.args else None
+        if request is None:
+            return None
+        salt = getattr(request, "cache_salt", None) or ""
+        try:
+            tokens = self._tokens(request)
+        except Exception as exc:  # a prompt it cannot tokenize is routed by load alone
+            log.debug("prompt not tokenized for routing: %s", exc)
+            return None
+        return (tokens, salt) if tokens else None
+
+    def _tokens(self, request: Any) -> list[int] | None:
+        prompt = getattr(request, "prompt", None)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+        messages = getattr(request, "messages", None)
+        if not isinstance(prompt, str) and messages is None:
+            return None  # batches of prompts, embeddings: nothing to place by
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_source)
+        tok = self._tokenizer
+        special = bool(getattr(request, "add_special_tokens", messages is None))
+        if messages is not None:
+            prompt = tok.apply_chat_template(
+                [dict(m) for m in messages],
+                tokenize=False,
+                add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
+            )
+        return list(tok(prompt, add_special_tokens=special)["input_ids"])

@@ -1,0 +1,141 @@
+"""vLLM replicas as a cache cluster on Ray Serve LLM: two ``HiCacheLLMServer`` replicas
+(vLLM's CPU build, the connector on one file store) publish their own KV events to the
+application's index, and the cache router sends each next turn to the replica that holds
+its history; greedy answers equal a plain vLLM engine's."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache_ray.base.errors import ConfigError
+from hicache_ray.keys import page_hashes
+from tests.helpers import wait_until
+from tests.vllm.helpers import CONNECTOR, PAGE, file_store
+
+ray = pytest.importorskip("ray")
+llm_api = pytest.importorskip("ray.serve.llm")
+
+APP = "vllm-cluster-test"
+REPLICA_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # AsyncLLM runs its engine core apart
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def _config(checkpoint: Path, root: Path, **engine: Any) -> Any:
+    kwargs = {
+        "dtype": "float32", "block_size": PAGE, "max_model_len": 512, "enforce_eager": True,
+        "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": file_store(root)},
+        **engine,
+    }  # fmt: skip
+    return llm_api.LLMConfig(
+        model_loading_config={"model_id": "tiny", "model_source": str(checkpoint)},
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        engine_kwargs=kwargs,
+        deployment_config={"num_replicas": 2},
+        runtime_env={"env_vars": REPLICA_ENV},
+    )
+
+
+def test_bad_cluster_configs_are_refused(checkpoint: Path, tmp_path: Path) -> None:
+    from actors.vllm_serve import vllm_cluster_config
+
+    good = _config(checkpoint, tmp_path)
+    with pytest.raises(ConfigError, match="unknown router"):
+        vllm_cluster_config(good, APP, router="random")
+    with pytest.raises(ConfigError, match="block_size"):
+        vllm_cluster_config(_config(checkpoint, tmp_path, block_size=None), APP)
+    with pytest.raises(ConfigError, match="kv_events_config"):
+        vllm_cluster_config(_config(checkpoint, tmp_path, kv_events_config={}), APP)
+    with pytest.raises(ConfigError, match="HiCacheRayConnector"):
+        vllm_cluster_config(_config(checkpoint, tmp_path, kv_transfer_config=None), APP)
+    routed = vllm_cluster_config(good, APP, router="cache", weights={"wait_s": 30.0})
+    options = routed.deployment_config["request_router_config"]
+    assert options["request_router_kwargs"]["page_size"] == PAGE
+    assert routed.experimental_configs["hicache_index"] == APP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    from ray import serve
+
+    from actors.vllm_serve import vllm_cluster_config
+    from tests.helpers import ensure_local_ray
+
+    ensure_local_ray()
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = _config(checkpoint, tmp_path_factory.mktemp("l3"))
+    # a loaded 2-core machine may answer the router late: it waits rather than guess
+    config = vllm_cluster_config(config, APP, router="cache", weights={"wait_s": 30.0})
+    try:
+        serve.run(llm_api.build_openai_app({"llm_configs": [config]}), name=APP)
+        yield port
+    finally:
+        serve.shutdown()
+
+
+def _complete(port: int, prompt: list[int], max_tokens: int = 4) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=180) as response:
+        answer = json.loads(response.read())
+    return list(answer["choices"][0]["token_ids"])
+
+
+def _holders(index: Any, turns: list[list[int]]) -> dict[int, list[str]]:
+    """Conversation -> the replicas whose vLLM holds its whole prompt, in the index."""
+    replicas = ray.get(index.replicas.remote())
+    out = {}
+    for c, prompt in enumerate(turns):
+        hits = ray.get(index.hits.remote(replicas, page_hashes(prompt, PAGE)))
+        out[c] = [r for r, h in hits.items() if h.device >= len(prompt) // PAGE]
+    return out
+
+
+def _all_held(index: Any, turns: list[list[int]]) -> bool:
+    return all(_holders(index, turns).values())
+
+
+def test_next_turns_reach_the_replica_that_holds_their_history(
+    ray_local: None, cluster: int, checkpoint: Path
+) -> None:
+    from tests.vllm.helpers import plain_engine
+
+    index = ray.get_actor(f"hicache-index-{APP}", namespace="hicache")
+    turns = [[(7 * c + i) % 200 + 3 for i in range(3 * PAGE)] for c in range(4)]
+    answers = {c: _complete(cluster, p) for c, p in enumerate(turns)}
+    wait_until(partial(_all_held, index, turns), 60, "the first turns in the index")
+    assert len(ray.get(index.replicas.remote())) == 2
+    first = {c: held[0] for c, held in _holders(index, turns).items()}
+    for c, prompt in enumerate(turns):
+        turns[c] = prompt + answers[c] + [(c + 11) % 200 + 3] * (PAGE - 4)
+        answers[c] = _complete(cluster, turns[c])
+    wait_until(partial(_all_held, index, turns), 60, "the second turns in the index")
+    holders = _holders(index, turns)
+    # each history is on the replica that held its first turn, and on that one only
+    assert holders == {c: [r] for c, r in first.items()}, (first, holders)
+    with plain_engine(checkpoint) as plain:  # no connector, no cache shared
+        for c, prompt in enumerate(turns):
+            assert answers[c] == plain(prompt, 4), c
