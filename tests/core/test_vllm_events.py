@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hicache_ray.cache.events import BlockStored as StoredPages
 from hicache_ray.integrations.vllm.events import VllmJournal
+from hicache_ray.integrations.vllm.pages import SaveAcks
 from hicache_ray.keys import page_hashes
 from hicache_ray.serving.cache_index import CacheIndex
 
@@ -206,3 +207,27 @@ def test_a_feed_without_replay_restarts_at_a_gap() -> None:
     assert journal.held() == set(page_hashes(tokens[: 2 * P], P))
     feed._take(5, payload(stored(tokens, 2, 1)))
     assert journal.held() == set(page_hashes(tokens, P)) and journal.gaps == 1
+
+
+def test_the_connectors_saves_become_the_applications_l3_pages() -> None:
+    tokens = list(range(150, 162))
+    pages = page_hashes(tokens, P)
+    journal = VllmJournal(P)
+    saved = stored(tokens, 0, 3, medium="STORAGE")
+    saved.block_hashes = [bytes.fromhex(p) for p in pages] + [b"short"]  # one malformed
+    journal.take(0, payload(saved))
+    assert journal.held() == set() and journal.held("STORAGE") == set()
+    index = CacheIndex()
+    for batch in journal.cache_events(journal.epoch, 0) or []:
+        index.reset("r", batch) if batch.seq == 1 else index.apply("r", batch)
+    assert index.store_pages() == pages
+    assert index.hits("other", pages).shared == 3  # every replica reads the shared L3
+
+
+def test_a_page_is_stored_once_every_worker_reported_it() -> None:
+    acks = SaveAcks(workers=2, keep=2)
+    assert acks.add(["a", "b"]) == []
+    assert acks.add(["b", "c", "a"]) == ["b", "a"]
+    assert acks.add(["d", "e"]) == []  # "c" falls out: kept are the last two waiting
+    assert acks.add(["c", "e"]) == ["e"]
+    assert SaveAcks(workers=1).add(["x", "y"]) == ["x", "y"]

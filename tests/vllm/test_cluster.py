@@ -1,7 +1,8 @@
 """vLLM replicas as a cache cluster on Ray Serve LLM: two ``HiCacheLLMServer`` replicas
 (vLLM's CPU build, the connector on one file store) publish their own KV events to the
 application's index, and the cache router sends each next turn to the replica that holds
-its history; greedy answers equal a plain vLLM engine's."""
+its history; the connector's saves become the application's L3 pages; greedy answers
+equal a plain vLLM engine's."""
 
 from __future__ import annotations
 
@@ -114,6 +115,10 @@ def _holders(index: Any, turns: list[list[int]]) -> dict[int, list[str]]:
     return out
 
 
+def _in_l3(index: Any, pages: set[str]) -> bool:
+    return pages <= set(ray.get(index.changes.remote("", 0)).store)
+
+
 def _all_held(index: Any, turns: list[list[int]]) -> bool:
     return all(_holders(index, turns).values())
 
@@ -136,6 +141,9 @@ def test_next_turns_reach_the_replica_that_holds_their_history(
     holders = _holders(index, turns)
     # each history is on the replica that held its first turn, and on that one only
     assert holders == {c: [r] for c, r in first.items()}, (first, holders)
+    # the connector's saves reach the index as the application's L3 pages
+    firsts = {h for p in turns for h in page_hashes(p[: 3 * PAGE], PAGE)}
+    wait_until(partial(_in_l3, index, firsts), 60, "the first turns' pages in the L3 index")
     with plain_engine(checkpoint) as plain:  # no connector, no cache shared
         for c, prompt in enumerate(turns):
             assert answers[c] == plain(prompt, 4), c

@@ -1,5 +1,6 @@
 """vLLM's own KV events (a real engine, its ZeroMQ publisher) rebuild its block set in the
-cache index, named as the connector names the pages it stores in the L3."""
+cache index, named as the connector names the pages it stores in the L3; the connector's
+saves, published with them, become the application's L3 pages."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ from tests.vllm.helpers import PAGE, engine, file_store, generate, prompt_ids
 def _stored_pages(root: Path) -> set[str]:
     """The page hashes a file store at ``root`` holds objects of."""
     return {path.name.split("_")[0] for path in root.glob("*/*_*")}
+
+
+def _l3_pages(journal: VllmJournal) -> set[str]:
+    """The L3 pages a cache index learns from the journal's batches (all kept)."""
+    index = CacheIndex()
+    for batch in journal.cache_events(journal.epoch, 0) or []:
+        if batch.seq == 1:
+            index.reset("r", batch)
+        else:
+            index.apply("r", batch)
+    return set(index.store_pages())
 
 
 def test_vllms_own_event_structs_decode() -> None:
@@ -90,6 +102,8 @@ def test_a_real_engines_events_rebuild_its_blocks_in_the_index(
         generate(llm, prompt_ids(23, PAGE))
         assert journal.wait_until(lambda: journal.held() == set(page_hashes(
             prompt_ids(23, PAGE), PAGE)), 60), journal.held()  # fmt: skip
+        # the connector's saves, acknowledged by its worker, are the application's L3 pages
+        assert journal.wait_until(lambda: stored <= _l3_pages(journal), 60)
     finally:
         feed.stop()
         feed.join(10)

@@ -87,6 +87,7 @@ class BlockMover:
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-save")
         self._spare: list[torch.Tensor] = []  # staging given back by loads and saves
+        self._saved: list[str] = []  # guarded by _lock: pages stored since take_saved
         self.counts = ConnectorStats()
 
     # ------------------------------------------------------------ staging
@@ -195,21 +196,29 @@ class BlockMover:
             self._pending += 1
         staging = self._buffer(len(job.hashes))
         self.gather(job.block_ids, staging)
-        return self._writer.submit(self._store, self._keys(job.hashes), staging, tokens)
+        return self._writer.submit(self._store, job.hashes, staging, tokens)
 
-    def _store(self, keys: list[str], staging: torch.Tensor, tokens: int) -> int:
+    def take_saved(self) -> list[str]:
+        """The page hashes whose objects of this worker were stored since the last call."""
+        with self._lock:
+            saved, self._saved = self._saved, []
+        return saved
+
+    def _store(self, hashes: list[str], staging: torch.Tensor, tokens: int) -> int:
+        keys = self._keys(hashes)
         per_page = len(self.plan.objects)
         try:
             # NOTE: vLLM computed these pages because the scheduler's lookup missed them
             # (or they follow a miss): asking the store again costs a round trip per save
             # to learn what is almost always no; a concurrent writer's copy is harmless.
-            stored = self.backend.put(keys, self.objects(staging), unseen=True)
-            stored = stored // per_page * self.page_size
+            pages = self.backend.put(keys, self.objects(staging), unseen=True) // per_page
+            stored = pages * self.page_size
         except Exception as exc:  # a failed save is a later miss, never a failed request
             log.warning("hicache-ray vLLM connector: a save failed: %s", exc)
-            stored = 0
+            pages = stored = 0
         self.give_back(staging)
         with self._lock:
+            self._saved.extend(hashes[:pages])
             self._pending -= 1
             self.counts.saved_tokens += stored
             self.counts.save_dropped_tokens += tokens - stored

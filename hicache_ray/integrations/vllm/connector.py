@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -43,7 +44,7 @@ from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.stats import ConnectorStats
 from hicache_ray.integrations.vllm.blocks import BlockMover, LayerByLayer
 from hicache_ray.integrations.vllm.metrics import WORKER_FIELDS, ConnectorProm, MovedTokens
-from hicache_ray.integrations.vllm.pages import PageJob, PagePlanner, StepPlan
+from hicache_ray.integrations.vllm.pages import PageJob, PagePlanner, SaveAcks, StepPlan
 from hicache_ray.integrations.vllm.setup import (
     VLLMStoreOptions,
     layer_index,
@@ -88,6 +89,33 @@ def _shareable(request: Any) -> bool:
     )
 
 
+class SavedPages(KVConnectorKVEvents):  # type: ignore[misc]
+    """The page hashes a worker stored since its last report, on their way to the
+    scheduler side (vLLM adds the workers' reports of one step together)."""
+
+    def __init__(self, pages: list[str] | None = None) -> None:
+        self._pages = list(pages or [])
+        self._workers = 1
+
+    def add_events(self, events: list[Any]) -> None:
+        self._pages.extend(events)
+
+    def aggregate(self) -> SavedPages:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self._pages)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._pages = []
+
+
 class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM's KV connector interface over a hicache-ray store (see the module docstring)."""
 
@@ -109,6 +137,8 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loading: dict[str, tuple[PageJob, Future[list[int]]]] = {}  # async loads
         self._layered: LayerByLayer | None = None  # this step's in-step loads
         self._positions: dict[str, int] = {}  # layer name -> place in the mover's layers
+        self._acks = SaveAcks(self._tp_size)  # scheduler: pages every worker stored
+        self._stored: list[str] = []  # scheduler: stored pages not yet published
         if role == KVConnectorRole.SCHEDULER:
             self._planner = self._open_planner()
 
@@ -246,6 +276,11 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._mover is not None:
             self._mover.drain(timeout_s)
 
+    def get_kv_connector_kv_cache_events(self) -> SavedPages | None:
+        """The pages this worker stored since the last step (for the L3 events)."""
+        saved = self._mover.take_saved() if self._mover is not None else []
+        return SavedPages(saved) if saved else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._end_layered()
         failed, self._failed = self._failed, set()
@@ -320,6 +355,30 @@ class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
             after = computed + counts.get(req_id, 0)
             scheduled.append((req_id, after, request.all_token_ids, block_ids))
         return HiCacheRayMeta(self._planner.step(scheduled))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        reports = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(reports, SavedPages):
+            self._stored += self._acks.add(reports.get_all_events())
+
+    def take_events(self) -> list[Any]:
+        """The pages every worker stored since the last call, as one ``BlockStored`` of
+        medium ``STORAGE`` (named by page hashes, the 32-byte digests), which vLLM
+        publishes with its own KV events when ``kv_events_config`` enables them."""
+        if not self._stored:
+            return []
+        pages, self._stored = self._stored, []
+        return [
+            BlockStored(
+                block_hashes=[bytes.fromhex(p) for p in pages],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self._page_size,
+                lora_id=None,
+                medium=MEDIUM_STORAGE,
+                lora_name=None,
+            )
+        ]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         if self._planner is not None:

@@ -17,6 +17,11 @@ multimodal or embedding inputs (the connector's page names hold tokens only), it
 size is not the page size, or it belongs to another KV cache group. Leaving a block out
 costs the router a guess, never a wrong answer.
 
+The connector's own saves come as ``BlockStored`` events of medium ``STORAGE`` (the
+scheduler side publishes a page once every TP worker stored its objects), already named by
+page hashes: they become ``L3`` events (:data:`~hicache_ray.cache.events.STORE_MEDIUM`),
+which the index keeps for the whole application.
+
 The journal then serves subscribers as a deployment's own journal does
 (:meth:`cache_events`, :meth:`cache_snapshot`, the same :class:`~hicache_ray.cache.events.
 EventBatch`): its pages per medium (vLLM's ``GPU``: the engine's KV cache, L1 to the
@@ -37,6 +42,7 @@ from typing import Any
 import msgspec
 
 from hicache_ray.cache.events import (
+    STORE_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -50,6 +56,7 @@ from hicache_ray.keys import page_hashes
 __all__ = ["VllmJournal"]
 
 _L1 = "GPU"
+_STORAGE = "STORAGE"  # vLLM's medium of a connector's store
 
 
 class _Stored(msgspec.Struct, tag="BlockStored"):
@@ -206,6 +213,10 @@ class VllmJournal:
                 self._pending.append(BlockRemoved(pages, medium))
 
     def _stored(self, event: _Stored) -> None:
+        if event.medium == _STORAGE:  # the connector's saves, named by page hashes
+            saved = [h.hex() for h in event.block_hashes if isinstance(h, bytes) and len(h) == 32]
+            self._pending.append(BlockStored(saved, None, [], self.page_size, medium=STORE_MEDIUM))
+            return
         pages = self._name(event)
         if pages is None:
             self.unnamed += len(event.block_hashes)

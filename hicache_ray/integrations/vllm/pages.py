@@ -9,6 +9,7 @@ and the saves of pages that this step's forward fills. The worker side is
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from hicache_ray.base.stats import ConnectorStats
 from hicache_ray.keys import page_hashes
 from hicache_ray.storage import StorageBackend
 
-__all__ = ["PageJob", "PagePlanner", "StepPlan"]
+__all__ = ["PageJob", "PagePlanner", "SaveAcks", "StepPlan"]
 
 
 class PageJob(msgspec.Struct, frozen=True):
@@ -163,3 +164,32 @@ class PagePlanner:
     @property
     def tracked(self) -> int:
         return len(self._requests)
+
+
+class SaveAcks:
+    """Which saved pages every worker has stored its objects of (scheduler side).
+
+    Each TP worker stores its own objects of a page, on its own writer thread, and reports
+    the pages it finished after a later step (:meth:`HiCacheRayConnector.
+    get_kv_connector_kv_cache_events`); a page is in the store once all ``workers`` have
+    reported it. Pages still waiting for a worker are kept for the last ``keep`` pages
+    reported (a worker whose save failed never reports: its page is dropped from here).
+    """
+
+    def __init__(self, workers: int, keep: int = 1 << 16) -> None:
+        self._workers, self._keep = workers, keep
+        self._waiting: OrderedDict[str, int] = OrderedDict()
+
+    def add(self, pages: Sequence[str]) -> list[str]:
+        """Count the workers' reports ``pages``; returns the pages now stored by all."""
+        done = []
+        waiting = self._waiting
+        for page in pages:
+            count = waiting.pop(page, 0) + 1
+            if count >= self._workers:
+                done.append(page)
+            else:
+                waiting[page] = count
+        while len(waiting) > self._keep:
+            waiting.popitem(last=False)
+        return done
