@@ -25,6 +25,7 @@ Ray LLM's ``build_openai_app``. Runs where vLLM and ``ray[serve,llm]`` are insta
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from typing import Any
@@ -35,11 +36,19 @@ from ray.serve.request_router import PendingRequest
 
 from actors.index_actor import Publisher
 from actors.routing import PREFIX_ROUTER, CacheAwareRouter
+from actors.stores import drop_store
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.integrations.vllm.event_feed import VllmEventFeed
 from hicache_ray.integrations.vllm.events import VllmJournal
+from hicache_ray.serving.serve_options import vllm_serve_spec
 
-__all__ = ["HiCacheLLMServer", "VllmCacheRouter", "vllm_cluster_config"]
+__all__ = [
+    "HiCacheLLMServer",
+    "VllmCacheRouter",
+    "build_vllm_app",
+    "drop_cluster_store",
+    "vllm_cluster_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +114,35 @@ def vllm_cluster_config(
             "experimental_configs": experimental,
         }
     )
+
+
+def build_vllm_app(args: dict[str, str]) -> Any:
+    """The Serve app of ``hicache-ray serve --engine vllm`` (serve options ``args``, checked
+    by :func:`~hicache_ray.serving.serve_options.vllm_serve_spec`): Ray LLM's OpenAI app
+    over the cluster's replicas."""
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    spec = vllm_serve_spec(args)
+    config = LLMConfig(
+        model_loading_config={"model_id": spec["served_name"], "model_source": spec["model"]},
+        placement_group_config={"bundles": spec["bundles"]},
+        engine_kwargs=spec["engine_kwargs"],
+        # the replica's own process takes no CPU of its bundle: the engine has them
+        deployment_config={"num_replicas": spec["replicas"], "ray_actor_options": {"num_cpus": 0}},
+    )
+    cluster = vllm_cluster_config(config, f"vllm-{os.getpid()}", spec["router"], spec["weights"])
+    return build_openai_app({"llm_configs": [cluster]})
+
+
+def drop_cluster_store(args: dict[str, str]) -> None:
+    """The ray L3 store of ``hicache-ray serve --engine vllm`` (serve options ``args``),
+    dropped unless ``keep_store``."""
+    if args.get("keep_store") == "True":
+        return
+    transfer = vllm_serve_spec(args)["engine_kwargs"]["kv_transfer_config"]
+    options = transfer["kv_connector_extra_config"]
+    if options["store"] == "ray":
+        drop_store(options["ray"]["name"])
 
 
 class HiCacheLLMServer(LLMServer):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -109,6 +110,12 @@ def serve_app(args: argparse.Namespace) -> Any:
     if args.served_name:
         given["served_name"] = args.served_name
     given["keep_store"] = str(args.keep_store)
+    if given.get("engine") == "vllm":  # vLLM replicas on Ray Serve LLM (vLLM's environment)
+        from actors.vllm_serve import build_vllm_app
+        from hicache_ray.serving.serve_options import vllm_serve_spec
+
+        vllm_serve_spec(given)  # checked now; built once Ray is up (Ray LLM joins a cluster)
+        return given, functools.partial(build_vllm_app, given)
     return given, build_app(given)
 
 
@@ -367,6 +374,8 @@ def serve(args: argparse.Namespace, prepared: Any) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         ray_serve.start(http_options={"host": args.host, "port": args.port})
+        if isinstance(app, functools.partial):
+            app = app()
         ray_serve.run(app, name="hicache-openai", route_prefix="/")
         _log(f"serving {given['model']} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
         _log(_door_note(given, args.host))
@@ -376,6 +385,10 @@ def serve(args: argparse.Namespace, prepared: Any) -> int:
         _log("shutting down")
     finally:
         ray_serve.shutdown()  # type: ignore[no-untyped-call]
+        if given.get("engine") == "vllm":
+            from actors.vllm_serve import drop_cluster_store
+
+            drop_cluster_store(given)
         if started:
             ray.shutdown()
     return 0

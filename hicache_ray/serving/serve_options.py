@@ -4,7 +4,7 @@ from their string options (checked here: a bad value is a ``ConfigError`` naming
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hicache_ray.base.config import CacheConfig, MemoryConfig, SchedulerConfig
 from hicache_ray.base.errors import ConfigError
@@ -22,12 +22,18 @@ __all__ = [
     "serve_ingresses",
     "serve_keys",
     "serve_replicas",
+    "vllm_serve_spec",
 ]
 
 # ``hicache-ray serve`` and ``serve run actors.openai_app:build_app``: option -> (default,
 # help); values arrive as strings and are checked by ``serve_deployment_config``.
 SERVE_OPTIONS: dict[str, tuple[str, str]] = {
     "model": ("", "a preset (tiny, tiny4, bench: random weights) or a checkpoint directory"),
+    "engine": (
+        "hicache",
+        "hicache (this library's engine) or vllm (vLLM replicas on Ray Serve LLM sharing the "
+        "L3 through the connector; run from vLLM's environment: docs/vllm.md)",
+    ),
     "tp": ("1", "tensor-parallel size"),
     "pp": ("1", "pipeline-parallel size"),
     "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
@@ -101,6 +107,8 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
             "serve", sorted(unknown), "unknown options", f"use {sorted(SERVE_OPTIONS)}"
         )
     opts = {k: args.get(k, default) for k, (default, _) in SERVE_OPTIONS.items()}
+    if opts["engine"] != "hicache":
+        raise ConfigError("engine", opts["engine"], "not this engine's", "use hicache here")
     if not opts["model"]:
         raise ConfigError("model", "", "missing", "give a preset name or a checkpoint directory")
     model = resolve_model(opts["model"])
@@ -183,3 +191,66 @@ def serve_replicas(args: dict[str, str]) -> tuple[int, str, dict[str, float]]:
             raise ConfigError("route_weights", item, "negative", "give a number >= 0")
         weights[name.strip()] = number
     return replicas, router, weights
+
+
+# The serve options a vLLM cluster takes (the rest configure this library's engine).
+VLLM_OPTIONS = ("model", "engine", "tp", "storage", "storage_root", "store", "storage_bytes",
+                "page_size", "cpus_per_rank", "gpus_per_rank", "replicas", "router",
+                "route_weights", "served_name", "keep_store")  # fmt: skip
+
+
+def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
+    """What ``hicache-ray serve --engine vllm`` runs, from the serve options ``args``: the
+    model directory and served name, vLLM's engine arguments (the connector's included),
+    the replicas, their router and its weights, and each replica's placement bundles.
+
+    Raises:
+        ConfigError: an option of this library's engine only, a preset or missing model,
+            no L3 (the replicas share pages through it), a bad number.
+    """
+    foreign = sorted(k for k in args if k not in VLLM_OPTIONS)
+    if foreign:
+        raise ConfigError(
+            "serve", foreign, "options of the hicache engine only", f"use {list(VLLM_OPTIONS)}"
+        )
+    model = args.get("model", "")
+    if not os.path.isdir(model):
+        raise ConfigError("model", model, "not a checkpoint directory", "give vLLM's model dir")
+    backend = args.get("storage", "ray")
+    if backend not in ("ray", "file"):
+        raise ConfigError("storage", backend, "the replicas share pages in L3", "use ray or file")
+    name = args.get("served_name") or os.path.basename(os.path.normpath(model))
+    limit = int(_number("storage_bytes", args.get("storage_bytes", "0"), int))
+    tp = int(_number("tp", args.get("tp", "1"), int))
+    connector: dict[str, Any] = {"store": backend, "model_id": name}
+    if backend == "ray":
+        store = args.get("store") or f"serve-{name}"
+        clean = "".join(c if c.isalnum() or c in "-_" else "-" for c in store)
+        connector["ray"] = {"name": clean, "capacity_bytes": limit}
+    else:
+        connector["file"] = {"root": args.get("storage_root", ""), "capacity_bytes": limit}
+    engine = {
+        "block_size": int(_number("page_size", args.get("page_size", "16"), int)),
+        "tensor_parallel_size": tp,
+        "kv_transfer_config": {
+            "kv_connector": "HiCacheRayConnector",
+            "kv_connector_module_path": "hicache_ray.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": connector,
+        },
+    }
+    replicas, router, weights = serve_replicas(args)
+    bundle = {
+        "CPU": _number("cpus_per_rank", args.get("cpus_per_rank", "1"), float),
+        "GPU": _number("gpus_per_rank", args.get("gpus_per_rank", "0"), int),
+    }
+    return {
+        "model": model,
+        "served_name": name,
+        "engine_kwargs": engine,
+        "replicas": replicas,
+        "router": router,
+        "weights": weights,
+        "bundles": [{k: v for k, v in bundle.items() if v}] * tp,
+    }
