@@ -171,7 +171,23 @@ class CacheAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._inflight.forget(replica_id.unique_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = {r.unique_id for r in self._replicas}
+        super().update_replicas(replicas)
+        for replica in before - {r.unique_id for r in self._replicas}:
+            self._forget(replica)
+
+    def _forget(self, replica: str) -> None:
+        """A replica gone from the application (dead, replaced, scaled down): its work and
+        its pages are forgotten now, not when the index stops hearing from it
+        (``SILENT_S``)."""
+        self._inflight.forget(replica)
+        try:
+            self._index_actor().remove.remote(replica)
+        except Exception as exc:  # the index is down: it forgets the replica on its own
+            self._lost(exc)
 
     async def _ranked(
         self, candidates: list[RunningReplica], n: int, hashes: list[str], may_wait: bool

@@ -147,3 +147,39 @@ def test_next_turns_reach_the_replica_that_holds_their_history(
     with plain_engine(checkpoint) as plain:  # no connector, no cache shared
         for c, prompt in enumerate(turns):
             assert answers[c] == plain(prompt, 4), c
+
+
+def _replica_actor(replica: str) -> Any:
+    """The Serve replica actor of the cluster's engine replica ``replica``."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if name.startswith(f"SERVE_REPLICA::{APP}#HiCacheLLMServer") and name.endswith(replica):
+            return ray.get_actor(name, namespace=actor["namespace"])
+    raise LookupError(replica)
+
+
+def test_a_killed_replica_is_forgotten_and_its_replacement_learned(
+    ray_local: None, cluster: int
+) -> None:
+    index = ray.get_actor(f"hicache-index-{APP}", namespace="hicache")
+    turns = [[(11 * c + i) % 200 + 3 for i in range(3 * PAGE)] for c in range(2)]
+    for prompt in turns:
+        _complete(cluster, prompt)
+    wait_until(partial(_all_held, index, turns), 60, "the turns in the index")
+    lost = _holders(index, turns)[0][0]
+    ray.kill(_replica_actor(lost), no_restart=True)
+
+    def forgotten() -> bool:
+        return lost not in ray.get(index.replicas.remote())
+
+    wait_until(forgotten, 90, "the killed replica gone from the index")
+    for c, prompt in enumerate(turns):  # every call after the kill is answered
+        turns[c] = prompt + [(c + 5) % 200 + 3] * PAGE
+        assert len(_complete(cluster, turns[c])) == 4
+    wait_until(partial(_all_held, index, turns), 60, "the next turns in the index")
+    assert all(lost not in held for held in _holders(index, turns).values())
+
+    def replaced() -> bool:  # Serve starts a replacement, whose events reach the index
+        return len(ray.get(index.replicas.remote())) == 2
+
+    wait_until(replaced, 300, "the replacement replica in the index")
