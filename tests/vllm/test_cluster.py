@@ -1,8 +1,8 @@
 """vLLM replicas as a cache cluster on Ray Serve LLM: two ``HiCacheLLMServer`` replicas
 (vLLM's CPU build, the connector on one file store) publish their own KV events to the
 application's index, and the cache router sends each next turn to the replica that holds
-its history; the connector's saves become the application's L3 pages; greedy answers
-equal a plain vLLM engine's."""
+its history; the connector's saves become the application's L3 pages; greedy answers of 50 calls
+equal a plain vLLM engine's; a killed replica is forgotten and its replacement learned."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import page_hashes
 from tests.helpers import wait_until
-from tests.vllm.helpers import CONNECTOR, PAGE, file_store
+from tests.vllm.helpers import CONNECTOR, PAGE, file_store, prompt_ids
 
 ray = pytest.importorskip("ray")
 llm_api = pytest.importorskip("ray.serve.llm")
@@ -144,9 +144,15 @@ def test_next_turns_reach_the_replica_that_holds_their_history(
     # the connector's saves reach the index as the application's L3 pages
     firsts = {h for p in turns for h in page_hashes(p[: 3 * PAGE], PAGE)}
     wait_until(partial(_in_l3, index, firsts), 60, "the first turns' pages in the L3 index")
+    # 42 more calls (8 shared system prompts, some served again): 50 in all against plain vLLM
+    sample = [(turns[c], answers[c]) for c in range(len(turns))]
+    systems = [prompt_ids(60 + s, 2 * PAGE) for s in range(8)]
+    for i in range(42):
+        prompt = systems[i % 8] + prompt_ids(100 + i % 21, 5 + i % 7 * PAGE // 4)
+        sample.append((prompt, _complete(cluster, prompt)))
     with plain_engine(checkpoint) as plain:  # no connector, no cache shared
-        for c, prompt in enumerate(turns):
-            assert answers[c] == plain(prompt, 4), c
+        wrong = [i for i, (prompt, answer) in enumerate(sample) if answer != plain(prompt, 4)]
+    assert not wrong, f"{len(wrong)} of {len(sample)} answers differ from plain vLLM: {wrong}"
 
 
 def _replica_actor(replica: str) -> Any:
