@@ -241,10 +241,7 @@ class Claims:
         task = c.task
         assert task is not None
         want, alloc = task.num_pages - c.cached, self._cache.host_pool.allocator
-        within = self._config.prefetch.max_host_fraction >= 1 or (
-            self.prefetch_host_pages + want <= self._quota
-        )
-        if not within or want > alloc.num_free_pages:
+        if self._quota_room(want) < want or want > alloc.num_free_pages:
             return
         if self._guarded and not self.cost.worth_reading(want, want * self._page_size):
             return  # _start_fetch skips it again, and counts it
@@ -254,6 +251,12 @@ class Claims:
         task.host_pages, task.read_end, task.eager = pages, c.cached + want, True
         self.prefetch_host_pages += want
         c.fetch_started = True
+
+    def _quota_room(self, need: int) -> int:
+        """How many of ``need`` host slots running prefetches may still hold."""
+        if self._config.prefetch.max_host_fraction >= 1:
+            return need
+        return min(need, max(0, self._quota - self.prefetch_host_pages))
 
     def _start_fetch(self, c: PrefixClaim, total: int) -> None:
         task, pipeline = c.task, self._prefetch
@@ -265,9 +268,7 @@ class Claims:
         need = total - c.cached
         if need <= 0:
             return
-        allowed = need
-        if self._config.prefetch.max_host_fraction < 1:
-            allowed = min(need, max(0, self._quota - self.prefetch_host_pages))
+        allowed = self._quota_room(need)
         unfulfilled[Unfulfilled.PREFETCH_QUOTA] += (need - allowed) * self._page_size
         if self._guarded and not self.cost.worth_reading(allowed, allowed * self._page_size):
             unfulfilled[Unfulfilled.SLOWER_THAN_COMPUTE] += allowed * self._page_size
