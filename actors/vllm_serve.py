@@ -172,15 +172,6 @@ class HiCacheLLMServer(LLMServer):
         self._publisher = Publisher(self._journal, app, replica)
         self._publisher.start()
 
-    def events_seen(self) -> dict[str, int]:
-        """The journal's counts: vLLM batches taken, blocks it could not name, restarts."""
-        journal = self._journal
-        return {
-            "last_vllm_seq": journal.last_vllm_seq,
-            "unnamed": journal.unnamed,
-            "gaps": journal.gaps,
-        }
-
     async def __del__(self) -> None:
         publisher = getattr(self, "_publisher", None)
         if publisher is not None:

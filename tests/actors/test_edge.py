@@ -223,24 +223,29 @@ def test_shutdown_fails_requests_in_flight_fast_and_is_final(ray_local: None) ->
     deployment.shutdown()  # a second call does nothing
 
 
-def test_requests_waiting_on_a_slow_l3_do_not_spin_the_ranks(ray_local: None) -> None:
-    store = store_name()
-    base = cache_config(store)
-    writer = _launch("spin-writer", store)
-    tokens = prompt(10, 64)
+def _slow_reader(name: str, store: str, tokens: list[int], fault: Fault) -> Any:
+    """A deployment reading ``store``, which holds ``tokens`` (written by another one first),
+    through ``fault``; its requests wait for their L3 pages (``wait_complete``)."""
+    writer = _launch(f"{name}-writer", store)
     try:
         writer.generate([GenerateRequest("w", tokens, 1)])
         writer.wait_idle(timeout_s=30)
     finally:
         writer.shutdown()
-    # The reader's first lookup takes 2 s; its request waits for it (wait_complete).
-    slow = msgspec.structs.replace(
-        base.storage, faults=(Fault(op="size", kind="delay", delay_s=2.0, limit=1),)
-    )
+    base = cache_config(store)
+    slow = msgspec.structs.replace(base.storage, faults=(fault,))
     cache = msgspec.structs.replace(
         base, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0), storage=slow
     )
-    reader = _launch("spin-reader", cache=cache)
+    return _launch(f"{name}-reader", cache=cache)
+
+
+def test_requests_waiting_on_a_slow_l3_do_not_spin_the_ranks(ray_local: None) -> None:
+    store, tokens = store_name(), prompt(10, 64)
+    # The reader's first lookup takes 2 s; its request waits for it (wait_complete).
+    reader = _slow_reader(
+        "spin", store, tokens, Fault(op="size", kind="delay", delay_s=2.0, limit=1)
+    )
     try:
         before = [h.steps for h in reader.health()]
         started = time.monotonic()
@@ -256,22 +261,11 @@ def test_requests_waiting_on_a_slow_l3_do_not_spin_the_ranks(ray_local: None) ->
 
 
 def test_a_rank_killed_during_an_eager_l3_read_re_forms_and_answers(ray_local: None) -> None:
-    store = store_name()
-    writer = _launch("eager-writer", store)
-    tokens = prompt(12, 64)
-    try:
-        writer.generate([GenerateRequest("w", tokens, 1)])
-        writer.wait_idle(timeout_s=30)
-    finally:
-        writer.shutdown()
-    base = cache_config(store)  # eager reads are on by default
-    slow = msgspec.structs.replace(
-        base.storage, faults=(Fault(op="read", kind="delay", delay_s=5.0, limit=1),)
+    store, tokens = store_name(), prompt(12, 64)
+    # eager reads are on by default; the reader's first L3 read takes 5 s
+    reader = _slow_reader(
+        "eager", store, tokens, Fault(op="read", kind="delay", delay_s=5.0, limit=1)
     )
-    cache = msgspec.structs.replace(
-        base, prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=0), storage=slow
-    )
-    reader = _launch("eager-reader", cache=cache)
     try:
         follow = tokens + prompt(13, 3)
         future: Future[Any] = reader.submit(GenerateRequest("r", follow, 4))
