@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from actors.deployment import Deployment
 from actors.http_body import read_body
 from actors.openai_engine import RETRY_AFTER_S, EngineCall, OpenAIEngine, parse_call, prepend
+from actors.pd import PDConfig, PDDeployment, PDDoor
 from actors.stores import drop_store, set_quotas
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.serving.openai.protocol import (
@@ -43,6 +44,8 @@ from hicache_ray.serving.openai.protocol import (
     models_response,
 )
 from hicache_ray.serving.openai.text import text_codec
+from hicache_ray.serving.pd_split import SplitPolicy
+from hicache_ray.serving.serve_options import PDServe
 from hicache_ray.serving.tenants import ApiKeys, KeySpec, Tenant, tenant_owner
 
 __all__ = [
@@ -153,9 +156,23 @@ class OpenAIApp(_Front):
         served_name: str = "",
         keep_store: bool = False,
         keys: KeySpec = NO_KEYS,
+        pd: PDServe | None = None,
     ) -> None:
         super().__init__(config, served_name, keep_store, keys)
-        self.deployment = Deployment.launch(config)
+        self.deployment: Deployment | PDDoor
+        if pd is None:
+            self.deployment = Deployment.launch(config)
+        else:
+            pp, policy = config.pp_size, SplitPolicy(min_uncached_tokens=pd.min_uncached_tokens)
+            pair = PDConfig.pair(
+                config,
+                prefill_tp=pd.prefill_tp,
+                decode_tp=pd.decode_tp,
+                prefill_pp=pp,
+                decode_pp=pp,
+                policy=policy,
+            )
+            self.deployment = PDDoor(PDDeployment.launch(pair))
         self.engine = OpenAIEngine(self.deployment, self.codec)
 
     async def _respond(self, call: EngineCall) -> dict[str, Any]:
@@ -229,13 +246,16 @@ def serve_app(
     weights: dict[str, float] | None = None,
     ingresses: int = 1,
     keys: KeySpec = NO_KEYS,
+    pd: PDServe | None = None,
 ) -> Any:
     """The Serve application serving ``config``, ready for ``serve.run``: one replica
     (bundles for its ranks, ``max_ongoing_requests`` from its limits), or with
     ``replicas`` > 1 ``ingresses`` ingress replicas in front of that many engine replicas,
     each with its own ranks, routed by ``router`` (:mod:`actors.routing`; ``weights``: the
     cache router's; every ingress replica routes with its own router instance). ``keys``:
-    the API keys the HTTP door asks for (none: every caller is let in)."""
+    the API keys the HTTP door asks for (none: every caller is let in). ``pd``: a
+    prefill/decode pair (:mod:`actors.pd`; its TP sizes and split threshold) serving as the
+    one replica instead of one deployment (its sides make their own placement groups)."""
     from actors.routing import EngineReplica, router_config
 
     bundles = [
@@ -251,11 +271,13 @@ def serve_app(
         "placement_group_bundles": bundles,
         "placement_group_strategy": "PACK",
     }
+    if pd is not None:
+        placed = {"ray_actor_options": {"num_cpus": 0}}
     if replicas == 1:
         one: Any = serve.deployment(
             OpenAIApp, name="hicache-openai", max_ongoing_requests=ongoing, **placed
         )
-        return one.bind(config, served_name, keep_store, keys)
+        return one.bind(config, served_name, keep_store, keys, pd)
     routing = router_config(router, config.name, config, weights or {})
     if routing is not None:  # pow2: Serve's default router
         placed["request_router_config"] = routing
@@ -287,6 +309,7 @@ def build_app(args: dict[str, str]) -> Any:
         serve_deployment_config,
         serve_ingresses,
         serve_keys,
+        serve_pd,
         serve_replicas,
     )
 
@@ -295,4 +318,5 @@ def build_app(args: dict[str, str]) -> Any:
     config = serve_deployment_config(args)
     served = args.get("served_name", "")
     keys = serve_keys(args)
-    return serve_app(config, served, keep, replicas, router, weights, serve_ingresses(args), keys)
+    ingresses, pd = serve_ingresses(args), serve_pd(args)
+    return serve_app(config, served, keep, replicas, router, weights, ingresses, keys, pd)

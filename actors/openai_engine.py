@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from actors.deployment import Deployment
 from actors.lifecycle import DeploymentError
 from hicache_ray.engine.request import (
     ErrorKind,
@@ -170,10 +169,21 @@ def _routed_text(tokens: list[int]) -> str:
     return " ".join(map(str, tokens))
 
 
+class EngineDoor(Protocol):
+    """What the engine calls: a :class:`~actors.deployment.Deployment`, or a
+    prefill/decode pair as one (:class:`~actors.pd.PDDoor`)."""
+
+    async def generate_async(self, request: GenerateRequest) -> RequestResult: ...
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]: ...
+
+    def abort(self, rid: str) -> None: ...
+
+
 class OpenAIEngine:
     """Runs calls on one deployment and answers them in OpenAI's format."""
 
-    def __init__(self, deployment: Deployment, codec: TextCodec, replica: str = "") -> None:
+    def __init__(self, deployment: EngineDoor, codec: TextCodec, replica: str = "") -> None:
         self.deployment = deployment
         self.codec = codec
         self.replica = replica  # named in each answer's usage ("": one replica)

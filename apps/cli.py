@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from apps.bench.options import FaultOptions, RouteOptions, SoakOptions
+from apps.bench.options import FaultOptions, PDOptions, RouteOptions, SoakOptions
 from apps.bench.trace_options import TraceOptions
 from apps.cli_args import (
     SERVE_OPTIONS,
@@ -166,6 +166,19 @@ def _deployment_benches(bsub: Any) -> None:
     _report_flags(trace)
     add_flags(trace, TraceOptions)
     trace.add_argument("--quick", action="store_true", help="30 requests, tiny model (smoke)")
+    pd = _command(
+        bsub,
+        "pd",
+        "prefill and decode apart over L3 vs one colocated deployment: handoff, ITL, exactness",
+        "bench_pd",
+    )
+    _report_flags(pd)
+    add_flags(pd, PDOptions)
+    pd.add_argument(
+        "--faults",
+        action="store_true",
+        help="instead, the fault table: a pair under each fault (docs/serving.md)",
+    )
 
 
 def _serve_flags(sub: Any) -> None:

@@ -17,7 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from apps.cli_args import flag_values
+from apps.cli_benches import (
+    bench_faults,
+    bench_pd,
+    bench_route,
+    bench_soak,
+    bench_trace,
+    finish,
+)
+from apps.cli_benches import log as _log
 from apps.cli_experiments import experiment_options as options
 from apps.cli_experiments import serve_options as serve_bench_options
 from hicache_ray.base.errors import ConfigError
@@ -27,10 +35,12 @@ T = TypeVar("T")
 __all__ = [
     "bench_faults",
     "bench_micro",
+    "bench_pd",
     "bench_route",
     "bench_runtime",
     "bench_soak",
     "bench_storage",
+    "bench_trace",
     "check_device",
     "experiment",
     "options",
@@ -41,34 +51,6 @@ __all__ = [
     "stats",
     "store",
 ]
-
-
-def _log(message: str) -> None:
-    print(message, flush=True)
-
-
-def finish(
-    args: argparse.Namespace,
-    command: str,
-    config: dict[str, Any],
-    figures: list[Any],
-    rows: list[dict[str, Any]] | None = None,
-) -> int:
-    """Print the figures table and write the JSON report when asked."""
-    from apps.report import Report, machine_info
-
-    report = Report(
-        command=command, machine=machine_info(), config=config, figures=figures, rows=rows or []
-    )
-    _log(report.table())
-    if args.json:
-        report.write(args.json)
-        _log(f"wrote {args.json}")
-    return 0
-
-
-def _missed(figures: list[Any]) -> int:
-    return 1 if any(f.meets is False for f in figures) else 0
 
 
 # ---------------------------------------------------------------- checks (before anything)
@@ -190,56 +172,6 @@ def _profiled(path: str, run: Callable[[], T]) -> T:
     return out
 
 
-def bench_faults(args: argparse.Namespace, _: None) -> int:
-    from apps.bench.faults_bench import run_faults
-    from apps.bench.options import FaultOptions
-
-    opts = FaultOptions(**flag_values(args, FaultOptions))
-    figures = run_faults(opts, _log)
-    return finish(args, "bench faults", dataclasses.asdict(opts), figures) or _missed(figures)
-
-
-def bench_soak(args: argparse.Namespace, _: None) -> int:
-    from apps.bench.options import SoakOptions
-    from apps.bench.soak import run_soak
-
-    opts = SoakOptions(**flag_values(args, SoakOptions))
-    figures = run_soak(opts, _log)
-    return finish(args, "bench soak", dataclasses.asdict(opts), figures) or _missed(figures)
-
-
-def bench_route(args: argparse.Namespace, _: None) -> int:
-    from apps.bench.options import RouteOptions
-    from apps.bench.route_bench import run_route_bench
-    from apps.bench.serve_plot import plot_route
-
-    base = RouteOptions.quick_options() if args.quick else RouteOptions()
-    opts = dataclasses.replace(base, **flag_values(args, RouteOptions))
-    figures = run_route_bench(opts, _log)
-    return _plotted(
-        args,
-        "bench route",
-        opts,
-        figures,
-        lambda png: plot_route(figures, opts.replicas, opts.routers, png),
-    )
-
-
-def _plotted(
-    args: argparse.Namespace,
-    command: str,
-    opts: Any,
-    figures: list[Any],
-    draw: Callable[[Path], bool],
-) -> int:
-    """:func:`finish`, then with ``--json`` a PNG beside it; exit 1 when a target is missed."""
-    status = finish(args, command, dataclasses.asdict(opts), figures)
-    if args.json:
-        png = Path(args.json).with_suffix(".png")
-        _log(f"wrote {png}" if draw(png) else "no matplotlib: no plot")
-    return status or _missed(figures)
-
-
 def experiment(args: argparse.Namespace, opts: Any) -> int:
     """``demo`` and ``bench multiturn``: exit 1 when a sampled answer differs from recompute."""
     from apps.experiments import DEMO_SHAPES, run_demo, run_multiturn_bench
@@ -262,19 +194,6 @@ def experiment(args: argparse.Namespace, opts: Any) -> int:
         _log(f"wrote {png}" if plot(series, png, title) else "no matplotlib: no plot")
     wrong = next(f for f in figures if f.name == "multiturn.exactness.wrong_outputs")
     return status or (1 if wrong.value else 0)
-
-
-def bench_trace(args: argparse.Namespace, _: None) -> int:
-    from apps.bench.serve_plot import plot_trace
-    from apps.bench.trace_bench import run_trace_bench
-    from apps.bench.trace_options import TraceOptions
-
-    base = TraceOptions.quick_options() if args.quick else TraceOptions()
-    opts = dataclasses.replace(base, **flag_values(args, TraceOptions))
-    figures = run_trace_bench(opts, _log)
-    return _plotted(
-        args, "bench trace", opts, figures, lambda png: plot_trace(figures, list(opts.modes), png)
-    )
 
 
 def serve_bench(args: argparse.Namespace, opts: Any) -> int:

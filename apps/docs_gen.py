@@ -102,6 +102,8 @@ def _configuration() -> str:
     from hicache_ray.engine.spec import DeploymentConfig
     from hicache_ray.integrations.sglang.setup import SGLangStoreOptions
     from hicache_ray.integrations.vllm.setup import VLLMStoreOptions
+    from hicache_ray.serving.pd_config import PDConfig
+    from hicache_ray.serving.pd_split import SplitPolicy
 
     classes: list[type] = [
         c.CacheConfig,
@@ -118,12 +120,16 @@ def _configuration() -> str:
         ModelConfig,
         SGLangStoreOptions,
         VLLMStoreOptions,
+        PDConfig,
+        SplitPolicy,
     ]
     prefixes: dict[type, str] = {
         DeploymentConfig: "actors.",
         ModelConfig: "hicache_ray.engine.model.",
         SGLangStoreOptions: "",
         VLLMStoreOptions: "",
+        PDConfig: "actors.pd.",
+        SplitPolicy: "hicache_ray.serving.pd_split.",
     }
     return config_reference(classes, prefixes)
 

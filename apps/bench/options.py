@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from apps.cli_args import MODEL_PRESETS, csv_of, flag, positive_float, positive_int
 from hicache_ray.serving.serve_options import ROUTERS
 
-__all__ = ["FAULT_SCENARIOS", "ROUTE_SCENARIOS", "FaultOptions", "RouteOptions", "SoakOptions"]
+__all__ = [
+    "FAULT_SCENARIOS",
+    "ROUTE_SCENARIOS",
+    "FaultOptions",
+    "PDOptions",
+    "RouteOptions",
+    "SoakOptions",
+]
 
 # The scenarios of ``bench route`` (apps.bench.route_bench runs them).
 ROUTE_SCENARIOS = (
@@ -195,3 +202,40 @@ class RouteOptions:
             device_tokens=256,
             quick=True,
         )
+
+
+def _long_prompt(text: str) -> int:
+    """A prompt length of 1,024 to 32,768 tokens (the split needs 1,024 uncached)."""
+    value = positive_int(text)
+    if not 1024 <= value <= 32768:
+        raise argparse.ArgumentTypeError(f"{value} is outside [1024, 32768] tokens")
+    return value
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    """What ``bench pd`` runs: a prefill/decode pair, then one colocated deployment."""
+
+    model: str = field(
+        default="bench", metadata=flag("model", "reference model preset", choices=MODEL_PRESETS)
+    )
+    prompt_tokens: int = field(
+        default=8192,
+        metadata=flag("prompt-tokens", "tokens of each long prompt", type=_long_prompt),
+    )
+    requests: int = field(
+        default=3, metadata=flag("requests", "long prompts (and next turns)", type=positive_int)
+    )
+    prefill_tp: int = field(
+        default=1,
+        metadata=flag("prefill-tp", "TP size of the prefill side", type=int, choices=(1, 2, 4)),
+    )
+    decode_tp: int = field(
+        default=1,
+        metadata=flag("decode-tp", "TP size of the decode side", type=int, choices=(1, 2, 4)),
+    )
+    new_tokens: int = 8
+    follow_tokens: int = 2048
+    decoders: int = 2
+    decoder_tokens: int = 48
+    seed: int = field(default=0, metadata=flag("seed", "seed of the prompts", type=int))

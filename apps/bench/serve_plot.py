@@ -120,3 +120,24 @@ def plot_trace(figures: Sequence[Figure], modes: Sequence[str], path: str | Path
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def plot_pd(figures: Sequence[Figure], path: str | Path) -> bool:
+    """TTFT and decode ITL p99, split against colocated; False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    value = {f.name: f for f in figures}
+    itl = value["pd.itl_p99_vs_colocated"]
+    ttft = [value["pd.ttft_ms.split"].value, value["pd.ttft_ms.colocated"].value]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
+    sides, colors = ["split", "colocated"], ["tab:blue", "tab:gray"]
+    left.bar(sides, ttft, color=colors)
+    left.set(ylabel="ms", title="TTFT of a long prompt (median)", ylim=(0, None))
+    right.bar(sides, [itl.value, itl.ceiling or 0.0], color=colors)
+    right.set(ylabel="ms", title="decode ITL p99 while long prompts arrive", ylim=(0, None))
+    fig.suptitle("hicache-ray bench pd")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

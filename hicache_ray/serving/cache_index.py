@@ -162,6 +162,13 @@ class CacheIndex:
             shared += 1
         return Hits(device, cached - device, shared - cached)
 
+    def stored(self, hashes: Sequence[str]) -> int:
+        """Leading pages of ``hashes`` that the shared L3 holds, as far as is known."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._store:
+            n += 1
+        return n
+
     def _play(self, r: _Replica, events: Sequence[Event]) -> None:
         for event in events:
             if isinstance(event, AllBlocksCleared):

@@ -4,7 +4,7 @@ from their string options (checked here: a bad value is a ``ConfigError`` naming
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hicache_ray.base.config import CacheConfig, MemoryConfig, SchedulerConfig
 from hicache_ray.base.errors import ConfigError
@@ -16,11 +16,13 @@ if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help import
 
 __all__ = [
     "ROUTERS",
+    "PDServe",
     "ROUTE_WEIGHTS",
     "SERVE_OPTIONS",
     "serve_deployment_config",
     "serve_ingresses",
     "serve_keys",
+    "serve_pd",
     "serve_replicas",
     "vllm_serve_spec",
 ]
@@ -51,6 +53,17 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
     "cpus_per_rank": ("1", "CPUs each rank reserves"),
     "gpus_per_rank": ("0", "GPUs each rank reserves (1 on GPU clusters)"),
     "replicas": ("1", "engine replicas, each with its own ranks, L1 and L2, over one L3 store"),
+    "prefill_tp": (
+        "0",
+        "with decode_tp: prefill and decode as two deployments joined by L3, long uncached "
+        "prompts prefilled apart (docs/serving.md); the prefill side's TP size (0: off)",
+    ),
+    "decode_tp": ("0", "the decode side's TP size (with prefill_tp; tp is then unused)"),
+    "pd_min_uncached": (
+        "1024",
+        "with prefill_tp: prefill apart only prompts with at least this many tokens the "
+        "decode side does not hold",
+    ),
     "router": (
         "cache",
         "how the ingress picks a replica (replicas > 1): cache (what their caches hold), "
@@ -191,6 +204,41 @@ def serve_replicas(args: dict[str, str]) -> tuple[int, str, dict[str, float]]:
             raise ConfigError("route_weights", item, "negative", "give a number >= 0")
         weights[name.strip()] = number
     return replicas, router, weights
+
+
+class PDServe(NamedTuple):
+    """A prefill/decode pair's serve options: its TP sizes and split threshold."""
+
+    prefill_tp: int
+    decode_tp: int
+    min_uncached_tokens: int
+
+
+def serve_pd(args: dict[str, str]) -> PDServe | None:
+    """The prefill/decode pair of the serve options ``args``; None: one deployment.
+
+    Raises:
+        ConfigError: one size without the other, a size out of range, no L3, or with more
+            than one replica or the vLLM engine (a pair is one replica for now).
+    """
+    sizes = [int(_number(k, args.get(k, "0"), int)) for k in ("prefill_tp", "decode_tp")]
+    if sizes == [0, 0]:
+        return None
+    for name, size in zip(("prefill_tp", "decode_tp"), sizes, strict=True):
+        if not 1 <= size <= 64:
+            raise ConfigError(name, size, "out of range", "give both sizes, 1 to 64 (or neither)")
+    if args.get("storage", "ray") == "none":
+        raise ConfigError(
+            "storage", "none", "prefill hands pages to decode in L3", "use ray or file"
+        )
+    if args.get("replicas", "1") != "1" or args.get("engine", "hicache") != "hicache":
+        raise ConfigError(
+            "prefill_tp", sizes[0], "a pair serves as one hicache replica", "drop --replicas"
+        )
+    least = int(_number("pd_min_uncached", args.get("pd_min_uncached", "1024"), int))
+    if not 0 <= least <= 1 << 30:
+        raise ConfigError("pd_min_uncached", least, "out of range", "give 0 to 2**30 tokens")
+    return PDServe(sizes[0], sizes[1], least)
 
 
 # The serve options a vLLM cluster takes (the rest configure this library's engine).
