@@ -263,6 +263,35 @@ def test_killed_ranks_on_either_side_cost_time_not_tokens(ray_local: None, pair:
     assert pair.decode.generation == generations[1] + 1
 
 
+def test_a_decode_rank_killed_mid_stream_loses_no_token(ray_local: None, pair: Any) -> None:
+    """The decode side's rank dies while a split request streams: the side re-forms, reads
+    the handoff from L3 again, and the stream carries exactly the whole answer."""
+    tokens, max_new = prompt(56, 48), 24
+    generation = pair.decode.generation
+
+    async def run() -> tuple[list[int], Any]:
+        got: list[int] = []
+        result, killed = None, False
+        loop = asyncio.get_running_loop()
+        async for chunk in pair.stream(GenerateRequest("kill-stream", tokens, max_new)):
+            got += chunk.tokens
+            result = chunk.result or result
+            if got and not killed:
+                # stalled first: the request cannot end before the kill lands
+                await loop.run_in_executor(None, _pause, pair.decode, 0, 60.0)
+                await loop.run_in_executor(None, ray.kill, _actor(pair.decode, 0))
+                killed = True
+        assert killed and len(got) == max_new
+        return got, result
+
+    got, result = asyncio.run(run())
+    assert pair.decode.generation == generation + 1
+    assert result is not None and result.error is None, result
+    assert got == result.output_tokens == recompute(tokens, max_new)
+    assert result.storage_hit_tokens >= 48 - PAGE, result  # the handoff, read again
+    _nothing_held(pair.prefill, pair.decode)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sizes",

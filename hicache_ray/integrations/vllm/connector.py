@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored, KVConnectorKVEvents
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -45,6 +45,7 @@ from hicache_ray.base.stats import ConnectorStats
 from hicache_ray.integrations.vllm.blocks import BlockMover, LayerByLayer
 from hicache_ray.integrations.vllm.metrics import WORKER_FIELDS, ConnectorProm, MovedTokens
 from hicache_ray.integrations.vllm.pages import PageJob, PagePlanner, SaveAcks, StepPlan
+from hicache_ray.integrations.vllm.saved import SavedPages
 from hicache_ray.integrations.vllm.setup import (
     VLLMStoreOptions,
     layer_index,
@@ -87,33 +88,6 @@ def _shareable(request: Any) -> bool:
         and getattr(request, "lora_request", None) is None
         and getattr(request, "prompt_embeds", None) is None
     )
-
-
-class SavedPages(KVConnectorKVEvents):  # type: ignore[misc]
-    """The page hashes a worker stored since its last report, on their way to the
-    scheduler side (vLLM adds the workers' reports of one step together)."""
-
-    def __init__(self, pages: list[str] | None = None) -> None:
-        self._pages = list(pages or [])
-        self._workers = 1
-
-    def add_events(self, events: list[Any]) -> None:
-        self._pages.extend(events)
-
-    def aggregate(self) -> SavedPages:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self._workers += count
-
-    def get_all_events(self) -> list[Any]:
-        return list(self._pages)
-
-    def get_number_of_workers(self) -> int:
-        return self._workers
-
-    def clear_events(self) -> None:
-        self._pages = []
 
 
 class HiCacheRayConnector(KVConnectorBase_V1):  # type: ignore[misc]
