@@ -173,6 +173,15 @@ class PageShard:
                 places.append((seen[oid], item))
         return refs, places
 
+    def find(
+        self, keys: list[str]
+    ) -> tuple[list[Any], list[tuple[int, int] | None], list[int | None]]:
+        """:meth:`locate` and :meth:`sizes` in one call: a prefetch query, whose reads
+        then need no ``locate`` of their own."""
+        refs, places = self.locate(keys)
+        with self._lock:
+            return refs, places, [self._sizes.get(key) for key in keys]
+
     def sizes(self, keys: list[str]) -> list[int | None]:
         with self._lock:
             return [self._sizes.get(key) for key in keys]

@@ -4,10 +4,13 @@ header (bytes) and its payload (a uint8 array); and reading one page back out of
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import ray
+from ray.exceptions import RayError
 
 from hicache_ray.storage.objects import ReadOutcome
 from hicache_ray.storage.page_format import (
@@ -18,7 +21,9 @@ from hicache_ray.storage.page_format import (
     header_length,
 )
 
-__all__ = ["copy_item", "copy_items", "group_pages", "object_items"]
+__all__ = ["copy_item", "copy_items", "fetch_objects", "group_pages", "object_items"]
+
+log = logging.getLogger(__name__)
 
 
 def group_pages(
@@ -65,3 +70,23 @@ def copy_item(obj: list[Any], item: int, out: ReadOut) -> ReadOutcome:
     except CorruptPage as exc:
         return exc
     return bytes(framed[PREFIX_BYTES:start]), copy_hashed(memoryview(payload), out)
+
+
+def fetch_objects(refs: list[Any], timeout_s: float, store: str) -> dict[str, list[Any]]:
+    """The objects of ``refs`` by id (zero-copy from the same node's store); a lost one
+    (or one whose owner died) is left out."""
+    unique = list({ref.hex(): ref for ref in refs}.values())
+    if not unique:
+        return {}
+    try:
+        values = ray.get(unique, timeout=timeout_s)
+        return {ref.hex(): v for ref, v in zip(unique, values, strict=True)}
+    except RayError:
+        pass
+    found = {}
+    for ref in unique:  # one by one, to tell the lost ones from the rest
+        try:
+            found[ref.hex()] = ray.get(ref, timeout=timeout_s)
+        except RayError as exc:
+            log.info("store %s: object %s is gone (%s)", store, ref.hex(), exc)
+    return found

@@ -8,9 +8,10 @@ involved, all shards at once: ``size_many`` asks ``sizes``; ``write_many`` puts 
 shard's pages into objects of about ``object_bytes`` (one copy, owned by the writer for a
 moment) and hands the shard their references (the shard serves them at once and copies
 them into objects it owns in the background: ``flush`` waits for that); ``read_many``
-asks ``locate`` for object references, fetches the objects (zero-copy on the same node;
-Ray moves them across nodes) and copies each payload into the caller's buffer while
-hashing it, on ``_COPY_THREADS`` threads.
+asks ``locate`` for object references (unless a prefetch query's ``find`` just gave them:
+:mod:`actors.located`), fetches the objects (zero-copy on the same node; Ray moves them
+across nodes) and copies each payload into the caller's buffer while hashing it, on
+``_COPY_THREADS`` threads.
 
 Failures are misses: a shard that does not answer within ``timeout_s`` or died fails its
 keys (the batch stops there; a restarted shard comes back empty); an object that is lost
@@ -31,7 +32,8 @@ import ray
 import xxhash
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
-from actors.page_objects import copy_items, group_pages, object_items
+from actors.located import Located
+from actors.page_objects import copy_items, fetch_objects, group_pages, object_items
 from actors.shards import (
     candidate_nodes,
     check_shard_count,
@@ -97,6 +99,7 @@ class RayObjects(ObjectStore):
         self.num_shards = options.num_shards or existing or max(1, len(candidate_nodes(options)))
         self._shards = [shard_handle(options, i, self.num_shards) for i in range(self.num_shards)]
         self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-ray-copy")
+        self._located = Located()  # where leading lookups found their keys, for reads
         # NOTE: a store that is slow to start (new shard processes on a loaded machine) or
         # restarting is not an error to whoever opens it: its batches are misses until
         # shard 0 has answered and confirmed the shard count (``_check_ready``).
@@ -148,9 +151,14 @@ class RayObjects(ObjectStore):
     # ------------------------------------------------------------- batches
 
     def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
+        """A leading lookup is a prefetch query: the shards also say where each object is
+        (``find``), and a read of those keys soon after asks no shard (:class:`Located`)."""
         self._ready_or_miss()
         out: list[SizeOutcome] = [None] * len(keys)
-        for idx, answer in self._fan_out(keys, "sizes"):
+        for idx, answer in self._fan_out(keys, "find" if leading else "sizes"):
+            if leading and not isinstance(answer, Exception):
+                refs, places, answer = answer
+                self._located.remember([keys[i] for i in idx], refs, places, answer)
             for i, value in zip(idx, _spread(answer, len(idx)), strict=True):
                 out[i] = value
         # Every shard answered at once; the batch still ends at its first failure (and, for
@@ -220,7 +228,7 @@ class RayObjects(ObjectStore):
         jobs: list[Future[None]] = []
         lost: list[str] = []
         try:
-            for idx, answer in self._fan_out(keys, "locate"):
+            for idx, answer, recalled in self._places(keys):
                 if isinstance(answer, Exception):
                     for i in idx:
                         where[i] = answer
@@ -232,7 +240,9 @@ class RayObjects(ObjectStore):
                 for i, place in zip(idx, found, strict=True):
                     obj = None if place is None else objects.get(refs[place[0]].hex())
                     if obj is None:  # absent; or lost, or its owner died: a miss
-                        if place is not None:
+                        # (a recalled reference may be a writer's the shard has adopted
+                        # since: only a shard's own answer drops a key)
+                        if place is not None and not recalled:
                             lost.append(keys[i])
                         gap = min(gap, i)
                     elif i < gap:
@@ -257,8 +267,21 @@ class RayObjects(ObjectStore):
                 self.remove_many(lost)  # their objects are gone: drop them from the index
 
     def remove_many(self, keys: Sequence[str]) -> None:
+        self._located.forget(keys)
         for _ in self._fan_out(keys, "remove"):
             pass
+
+    def _places(self, keys: Sequence[str]) -> Iterator[tuple[list[int], Any, bool]]:
+        """``locate``'s answers for ``keys`` (key indices, answer, recalled): first one for
+        the keys a recent leading lookup found (no shard asked), then each shard's for the
+        rest."""
+        known, answer = self._located.take(keys)
+        if known:
+            yield known, answer, True
+        taken = set(known)
+        rest = [i for i in range(len(keys)) if i not in taken]
+        for idx, found in self._fan_out([keys[i] for i in rest], "locate"):
+            yield [rest[j] for j in idx], found, False
 
     def shard_handle(self, shard: int) -> Any:
         """The actor handle of shard ``shard`` (benchmarks time one round trip with it)."""
@@ -356,22 +379,7 @@ class RayObjects(ObjectStore):
             time.sleep(_RETRY_S)
 
     def _fetch(self, refs: list[Any]) -> dict[str, list[Any]]:
-        """The objects of ``refs`` by id; a lost one is left out."""
-        unique = list({ref.hex(): ref for ref in refs}.values())
-        if not unique:
-            return {}
-        try:
-            values = ray.get(unique, timeout=self.options.timeout_s)
-            return {ref.hex(): v for ref, v in zip(unique, values, strict=True)}
-        except RayError:
-            pass
-        found = {}
-        for ref in unique:  # one by one, to tell the lost ones from the rest
-            try:
-                found[ref.hex()] = ray.get(ref, timeout=self.options.timeout_s)
-            except RayError as exc:
-                log.info("store %s: object %s is gone (%s)", self.options.name, ref.hex(), exc)
-        return found
+        return fetch_objects(refs, self.options.timeout_s, self.options.name)
 
 
 def _spread(answer: Any, n: int) -> list[Any]:

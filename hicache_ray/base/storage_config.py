@@ -209,7 +209,9 @@ class StorageConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     Attributes:
         backend: registered backend name (``memory``, ``file``, ``ray``), or ``none``.
-        batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch.
+        batch_size_pages: pages per ``exists`` / ``get`` / ``put`` batch (a prefetch
+            query asks at least 1,024 pages at once, and a store that reads on threads of
+            its own, ``ray``, is read in calls of at least 32 MiB).
         read_threads: threads (1 to 64) that read one prefetch batch, each a consecutive
             share of its pages of at least 4 MiB (verifying a page as it is copied is one
             core's work: one thread reads far below memory bandwidth); a store that copies

@@ -103,11 +103,35 @@ def test_a_batch_is_one_call_per_shard(options, monkeypatch) -> None:
         return real(self, shard, method, *args)
 
     monkeypatch.setattr(ray_store.RayObjects, "_remote", counting)
-    assert backend.exists(keys) == 64
-    assert calls == ["sizes", "sizes"]
+    reader = _backend(options, plan)  # no metadata cached: the shards are asked
+    assert reader.exists(keys) == 64  # a prefetch query: sizes and object references
+    assert calls == ["find", "find"]
     calls.clear()
-    assert backend.get(keys[:64], empty_buffers(plan, 64)) == 64
+    buffers = empty_buffers(plan, 64)
+    assert reader.get(keys[:64], buffers) == 64  # the query's references: no shard asked
+    assert calls == []
+    assert reader.get(keys[:64], empty_buffers(plan, 64)) == 64  # taken: asked again
     assert calls == ["locate", "locate"]
+    for got, page in zip(buffers, make_pages(plan, 64), strict=True):
+        assert torch.equal(got, page)
+
+
+def test_a_recalled_object_lost_is_a_miss_that_keeps_the_key(options, monkeypatch) -> None:
+    """A reference a query kept may be a writer's object the shard has adopted since: its
+    loss makes the read a miss, and the key stays for the next query to find again."""
+    plan = make_plan()
+    keys, pages = page_keys(plan, 4), make_pages(plan, 4)
+    _backend(options, plan).put(keys, pages)
+    reader = _backend(options, plan)  # no metadata cached: the shards are asked
+    assert reader.exists(keys) == 4
+    monkeypatch.setattr(ray_store.RayObjects, "_fetch", lambda self, refs: {})
+    assert reader.get(keys, empty_buffers(plan, 4)) == 0
+    monkeypatch.undo()
+    fresh = _backend(options, plan)
+    assert fresh.exists(keys) == 4
+    buffers = empty_buffers(plan, 4)
+    assert fresh.get(keys, buffers) == 4
+    assert all(torch.equal(b, p) for b, p in zip(buffers, pages, strict=True))
 
 
 def test_budget_evicts_whole_objects_least_recently_used(options) -> None:

@@ -15,7 +15,7 @@ from hicache_ray.cache.controller import reads
 from hicache_ray.cache.controller.reads import leading
 from hicache_ray.keys import page_hashes
 from hicache_ray.storage import MemoryObjects
-from hicache_ray.storage.objects import ReadOutcome
+from hicache_ray.storage.objects import ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import ReadOut
 from tests.conftest import make_kv
 from tests.controller.helpers import (
@@ -88,3 +88,42 @@ def test_leading_counts_as_one_sequential_read(lanes: list[tuple[int, int]]) -> 
     ok = [i < cuts[k] + counts[k] for k in range(len(sizes)) for i in range(cuts[k], cuts[k + 1])]
     sequential = next((i for i, good in enumerate(ok) if not good), len(ok))
     assert leading(list(pairwise(cuts)), counts) == sequential
+
+
+class CountingObjects(MemoryObjects):
+    """Counts the keys of each lookup and read call; ``parallel``: a store that copies one
+    read on threads of its own (as the ray store does)."""
+
+    def __init__(self, parallel: bool) -> None:
+        super().__init__()
+        self.reads_in_parallel = parallel
+        self.lookups: list[int] = []
+        self.reads: list[int] = []
+
+    def size_many(self, keys: Sequence[str], leading: bool = True) -> list[SizeOutcome]:
+        if leading:
+            self.lookups.append(len(keys))
+        return super().size_many(keys, leading)
+
+    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+        self.reads.append(len(keys))
+        return super().read_many(keys, outs)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-store", "serial-store"])
+def test_an_l3_hit_costs_few_store_calls(parallel: bool) -> None:
+    """The query asks every page in one lookup; a store that reads in parallel is read in
+    one call (every call is a round trip on the hit's critical path), another in batches."""
+    objects = CountingObjects(parallel)
+    tokens = prompt(22, 20 * PAGE)
+    stored(objects, tokens)
+    reader = make_controller(controller_config(batch_size_pages=4), KV, objects)
+    objects.lookups.clear()
+    cached, _ = run(reader, "r", tokens)  # checks the KV of every cached page
+    assert cached == 20
+    per_page = len(reader.plan.objects)
+    assert objects.lookups == [20 * per_page]
+    assert objects.reads == ([20 * per_page] if parallel else [4 * per_page] * 5)
+    drain(reader)
+    reader.check_integrity()
+    reader.close()

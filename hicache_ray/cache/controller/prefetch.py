@@ -32,6 +32,8 @@ from hicache_ray.storage import StorageBackend
 
 __all__ = ["FetchTask", "PrefetchPipeline"]
 
+QUERY_BATCH_PAGES = 1024  # pages per L3 lookup at least (batch_size_pages when larger)
+
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +42,9 @@ class QueryWorker(InboxWorker[FetchTask]):
 
     def __init__(self, storage: StorageBackend, plan: ShardPlan, page_size: int, batch: int):
         super().__init__("hicache-prefetch-query")
+        # A lookup carries keys, not pages: its batches are larger than reads' (each costs
+        # a store round trip on the L3 hit's critical path).
+        batch = max(batch, QUERY_BATCH_PAGES)
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
         self.start_read: Callable[[FetchTask], None] = no_read  # PrefetchPipeline.submit_read
