@@ -4,10 +4,11 @@ moment the query answers (no step in between), and every way back to the agreed 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 
 import pytest
 
-from hicache_ray.cache.controller import Arrival
+from hicache_ray.cache.controller import Arrival, LocalConsensus
 from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
@@ -136,4 +137,50 @@ def test_cancelled_before_its_query_answers_it_reads_nothing(eager: bool) -> Non
     drain(reader)
     reader.check_integrity()
     assert reader.cache.host_pool.allocator.num_free_pages == free
+    reader.close()
+
+
+class WaitingConsensus(LocalConsensus):
+    """One rank whose next round-1 exchange (a vector of one integer) runs ``during``
+    first: as if the rank waited there for its peers meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.during: Callable[[], object] | None = None
+
+    def all_reduce_min(self, values: Sequence[int], step: int) -> list[int]:
+        if self.during is not None and len(values) == 1:
+            during, self.during = self.during, None
+            during()
+        return super().all_reduce_min(values, step)
+
+
+def test_reads_that_end_while_the_rank_waits_in_round_one_are_agreed_in_that_step() -> None:
+    """A follower enters a step (and computes its facts) long before the leader's pace
+    lets the step's collectives run; its reads ending in between must not wait a step."""
+    objects = MemoryObjects()
+    tokens = prompt(46, 40)
+    stored(objects, tokens)
+    consensus = WaitingConsensus()
+    reader = make_controller(controller_config(), KV, objects, consensus=consensus)
+    assert reader.prefetch is not None
+    worker = reader.prefetch.read
+    read, gate = worker._read, threading.Event()
+
+    def gated(task: FetchTask) -> None:
+        assert gate.wait(30)
+        read(task)
+
+    worker._read = gated  # type: ignore[method-assign]
+    reader.step([Arrival("r", [*tokens, 1])])
+    task = reader.known["r"].task
+    assert task is not None and task.queried.wait(30) and task.read_started
+    assert reader.step().runnable == []  # reading
+    consensus.during = lambda: (gate.set(), task.read_finished.wait(30))
+    assert reader.step().runnable == ["r"]
+    handle = reader.take("r")
+    assert handle.num_cached_tokens == 10 * PAGE
+    reader.release(handle)
+    drain(reader)
+    reader.check_integrity()
     reader.close()

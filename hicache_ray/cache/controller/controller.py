@@ -51,9 +51,9 @@ from hicache_ray.storage import StorageBackend, create_backend
 
 __all__ = ["ARRIVAL_QUERY_WAIT_S", "CacheController", "StepResult"]
 
-# How long a step that admits requests waits for their L3 queries before it agrees on them
-# (a store round trip is about 1 ms here): a query that ends in time lets its request run
-# in this step; a slow or dead store costs this once per step, never more.
+# How long a step that admits requests waits for their L3 queries before it agrees on them:
+# a query that ends in time lets its request run in this step; a slow or dead store costs
+# this once per step, never more.
 ARRIVAL_QUERY_WAIT_S = 0.005
 BACKLOG_SHARE = 8  # backups behind by 1/8 of L2 run beside the forward (``computing``)
 
@@ -169,18 +169,21 @@ class CacheController:
         payload = self._codec.encode(arrivals, aborts) if admitting else b""
         facts = self._local_facts(admitting, len(payload), pending)
         self._step += 1
-        stats = self.counters
+        stats, start = self.counters, time.perf_counter()
         stats.steps += 1
-        start = time.perf_counter()
-        # Round 1: does any rank contribute something new? When none does, every MIN of
-        # round 2 would equal the last agreement: an idle step is this one integer.
-        changed = bool(admitting) or facts != self._contributed
+        # Round 1: does any rank contribute something new? (An idle step is this integer.)
+        # A rank whose own queries or reads run may end them while it waits here for the
+        # others: it asks for round 2, and takes its requests' facts after round 1.
+        waiting = self.prefetching
+        changed = bool(admitting) or waiting or facts != self._contributed
         news = self.consensus.all_reduce_min([-int(changed)], self._step)
         if not news[0]:
             spent = time.perf_counter() - start
             stats.consensus_s += spent
             runnable = self._runnable(pending, ())
             return StepResult(self._step, [], runnable, self._busy_agreed, agreement_s=spent)
+        if waiting:
+            facts = facts[: Header.SIZE] + self.claims.facts(pending)
         agreed = self.consensus.all_reduce_min(facts, self._step)
         header = Header.decode(agreed, self._step)
         new: list[Any] = []
@@ -190,8 +193,7 @@ class CacheController:
             broadcast = self._codec.decode(data)
             new, aborted = broadcast.arrivals, broadcast.aborts
         spent = time.perf_counter() - start
-        stats.consensus_s += spent
-        stats.full_steps += 1
+        stats.consensus_s, stats.full_steps = stats.consensus_s + spent, stats.full_steps + 1
         self._contributed = facts
         admitted = self._apply(header, agreed, pending, new)
         runnable = self._runnable([*pending, *admitted], aborted)
@@ -292,8 +294,8 @@ class CacheController:
 
     @property
     def prefetching(self) -> bool:
-        """This rank's own L3 queries or reads for admitted requests are still running (a
-        step before they end cannot agree on more; their end wakes the step loop)."""
+        """This rank's own L3 queries or reads for admitted requests run (their end wakes
+        the step loop)."""
         return self.claims.local_work
 
     @property
