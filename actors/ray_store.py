@@ -155,8 +155,10 @@ class RayObjects(ObjectStore):
         (``find``), and a read of those keys soon after asks no shard (:class:`Located`)."""
         self._ready_or_miss()
         out: list[SizeOutcome] = [None] * len(keys)
-        for idx, answer in self._fan_out(keys, "find" if leading else "sizes"):
-            if leading and not isinstance(answer, Exception):
+        with self._lock:  # shards an older version made (detached, still running) lack it
+            leading_find = leading and all(hasattr(h, "find") for h in self._shards)
+        for idx, answer in self._fan_out(keys, "find" if leading_find else "sizes"):
+            if leading_find and not isinstance(answer, Exception):
                 refs, places, answer = answer
                 self._located.remember([keys[i] for i in idx], refs, places, answer)
             for i, value in zip(idx, _spread(answer, len(idx)), strict=True):

@@ -310,3 +310,29 @@ def test_without_ray_the_error_says_what_to_do(monkeypatch) -> None:
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(ConfigError, match=r"ray.init"):
         ray_store.RayObjects(RayStorageOptions())
+
+
+def test_shards_an_older_version_made_are_still_queried(monkeypatch) -> None:
+    """Detached shards outlive library upgrades: a store whose shards have no ``find``
+    (made before it existed) is queried with ``sizes`` and read with ``locate``."""
+    from actors.l3_shard import PageShard
+
+    class OldShard(PageShard):
+        find = None  # not a method: the actor has none of that name
+
+    ensure_local_ray()
+    plan = make_plan()
+    opts = RayStorageOptions(name=f"store{next(_names)}", num_shards=1)
+    monkeypatch.setattr(shards, "_Shard", ray.remote(OldShard))
+    try:
+        keys, pages = page_keys(plan, 4), make_pages(plan, 4)
+        _backend(opts, plan).put(keys, pages)
+        reader = _backend(opts, plan)
+        shard = ray.get_actor(shards.shard_name(opts.name, 0), namespace=shards.NAMESPACE)
+        assert not hasattr(shard, "find")
+        assert reader.exists(keys) == 4
+        buffers = empty_buffers(plan, 4)
+        assert reader.get(keys, buffers) == 4
+        assert _equal(buffers, pages)
+    finally:
+        stores.drop_store(opts.name)
