@@ -36,6 +36,12 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
         "hicache (this library's engine) or vllm (vLLM replicas on Ray Serve LLM sharing the "
         "L3 through the connector; run from vLLM's environment: docs/vllm.md)",
     ),
+    "dtype": (
+        "auto",
+        "vllm engine only: the dtype vLLM computes in (auto, float32, bfloat16, float16); on "
+        "CPU the connector takes vLLM's vec attention kernels only: float32, or bfloat16 on "
+        "a CPU without AMX",
+    ),
     "tp": ("1", "tensor-parallel size"),
     "pp": ("1", "pipeline-parallel size"),
     "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
@@ -122,6 +128,10 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
     opts = {k: args.get(k, default) for k, (default, _) in SERVE_OPTIONS.items()}
     if opts["engine"] != "hicache":
         raise ConfigError("engine", opts["engine"], "not this engine's", "use hicache here")
+    if opts["dtype"] != "auto":
+        raise ConfigError(
+            "dtype", opts["dtype"], "an option of the vllm engine only", "leave it out here"
+        )
     if not opts["model"]:
         raise ConfigError("model", "", "missing", "give a preset name or a checkpoint directory")
     model = resolve_model(opts["model"])
@@ -242,9 +252,10 @@ def serve_pd(args: dict[str, str]) -> PDServe | None:
 
 
 # The serve options a vLLM cluster takes (the rest configure this library's engine).
-VLLM_OPTIONS = ("model", "engine", "tp", "storage", "storage_root", "store", "storage_bytes",
-                "page_size", "cpus_per_rank", "gpus_per_rank", "replicas", "router",
-                "route_weights", "served_name", "keep_store")  # fmt: skip
+VLLM_OPTIONS = ("model", "engine", "dtype", "tp", "storage", "storage_root", "store",
+                "storage_bytes", "page_size", "cpus_per_rank", "gpus_per_rank", "replicas",
+                "router", "route_weights", "served_name", "keep_store")  # fmt: skip
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
@@ -267,6 +278,9 @@ def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
     backend = args.get("storage", "ray")
     if backend not in ("ray", "file"):
         raise ConfigError("storage", backend, "the replicas share pages in L3", "use ray or file")
+    dtype = args.get("dtype", "auto")
+    if dtype not in VLLM_DTYPES:
+        raise ConfigError("dtype", dtype, "not a dtype vLLM computes in", f"use {VLLM_DTYPES}")
     name = args.get("served_name") or os.path.basename(os.path.normpath(model))
     limit = int(_number("storage_bytes", args.get("storage_bytes", "0"), int))
     tp = int(_number("tp", args.get("tp", "1"), int))
@@ -278,6 +292,7 @@ def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
     else:
         connector["file"] = {"root": args.get("storage_root", ""), "capacity_bytes": limit}
     engine = {
+        "dtype": dtype,
         "block_size": int(_number("page_size", args.get("page_size", "16"), int)),
         "tensor_parallel_size": tp,
         "kv_transfer_config": {

@@ -45,7 +45,8 @@ def test_serve_engine_vllm_answers_stores_and_stops(checkpoint: Path, tmp_path: 
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
     command = [str(BIN / "hicache-ray"), "serve", "--engine", "vllm", "--model",
-               str(checkpoint), "--storage", "file", "--storage-root", str(root),
+               str(checkpoint), "--dtype", "float32",  # vec kernels, AMX or not
+               "--storage", "file", "--storage-root", str(root),
                "--page-size", str(PAGE), "--port", str(port)]  # fmt: skip
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
