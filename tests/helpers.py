@@ -3,6 +3,7 @@ bounded waits."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -56,3 +57,10 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test server to bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

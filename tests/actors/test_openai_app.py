@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ensure_local_ray
+from tests.helpers import ensure_local_ray, free_port
 from tests.model.helpers import make_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -28,12 +27,6 @@ ray = pytest.importorskip("ray")
 STORE = "openai-test"
 KEYS = {"alice-key-1": "alice", "alice-key-2": "alice", "bob-key-111": "bob quota=1M"}
 SOLO = "solo-key-000"  # given as a digest, as ``--api-key`` does: a tenant of its own
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("openai") / "qwen3", "qwen3")
     keys = checkpoint.parent / "keys.txt"
     keys.write_text("# key tenant\n" + "".join(f"{k} {t}\n" for k, t in KEYS.items()))
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": str(checkpoint),

@@ -5,13 +5,12 @@ streamed or not, handed off or computed where it decodes."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.helpers import ensure_local_ray
+from tests.helpers import ensure_local_ray, free_port
 from tests.model.helpers import make_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -30,9 +29,7 @@ def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
     ensure_local_ray()
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("openai-pd") / "qwen3", "qwen3")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = int(s.getsockname()[1])
+    free = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": free})
     args = {
         "model": str(checkpoint),
