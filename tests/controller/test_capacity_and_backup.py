@@ -261,3 +261,41 @@ def test_the_journal_names_the_pages_every_rank_backed_up(down: bool) -> None:
     index.reset("r", journal.snapshot())  # a snapshot is of the replica's own tiers
     assert index.hits("other", hashes) == Hits(shared=backed_up)
     ctl.close()
+
+
+class CountingWrites(MemoryObjects):
+    """Counts the keys of each write call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[int] = []
+
+    def write_many(self, keys: Any, headers: Any, payloads: Any) -> list[Exception | None]:
+        self.writes.append(len(keys))
+        return super().write_many(keys, headers, payloads)
+
+
+@pytest.mark.parametrize(
+    ("call_bytes", "pages_per_call"), [(None, [20]), (3, [3] * 6 + [2]), (1, [1] * 20)]
+)
+def test_a_backup_writes_batch_size_pages_per_call_within_its_byte_cap(
+    monkeypatch: pytest.MonkeyPatch, call_bytes: int | None, pages_per_call: list[int]
+) -> None:
+    """Each store call costs round trips (and, on the ray store, objects every later read
+    fetches): a backup writes ``batch_size_pages`` pages per call, at most
+    ``BACKUP_CALL_BYTES`` (here in pages of this rank's objects)."""
+    from hicache_ray.cache.controller import backup
+
+    writer_bytes = sum(o.num_bytes for o in plan_shard(KV, controller_config()).objects)
+    if call_bytes is not None:
+        monkeypatch.setattr(backup, "BACKUP_CALL_BYTES", call_bytes * writer_bytes)
+    objects = CountingWrites()
+    tokens = prompt(31, 20 * PAGE)
+    ctl = make_controller(controller_config(batch_size_pages=32), KV, objects)
+    run_request(ctl, "r", tokens)
+    drain(ctl)
+    per_page = len(ctl.plan.objects)
+    assert objects.writes == [n * per_page for n in pages_per_call]
+    assert all(stored_pages(objects, tokens))
+    ctl.check_integrity()
+    ctl.close()
