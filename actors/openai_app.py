@@ -171,6 +171,7 @@ class OpenAIApp(_Front):
                 prefill_pp=pp,
                 decode_pp=pp,
                 policy=policy,
+                prefill_replicas=pd.prefill_replicas,
             )
             self.deployment = PDDoor(PDDeployment.launch(pair))
         self.engine = OpenAIEngine(self.deployment, self.codec)

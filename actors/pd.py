@@ -8,7 +8,9 @@ computes its prompt (``max_new_tokens`` 0) and backs the prompt's pages up to L3
 (write-through). The pair waits, bounded, until the prefill side's cache events say L3
 holds them, then sends the request to the decode side, whose L3 lookup finds the pages,
 reads them through L2 (checksums verified), loads them and decodes. Every other request
-is prefilled on the decode side.
+is prefilled on the decode side. With several prefill replicas, each split request goes to
+the one that would finish its prompt first (:func:`~hicache_ray.serving.pd_split.pick_prefill`:
+what it holds of the prompt, what was sent to it before).
 
 Failing safe: the decode side only uses pages it read and verified from L3, and computes
 whatever L3 does not hold. So a prefill that failed, was killed, or is slower than the
@@ -25,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
 import msgspec
@@ -44,7 +46,7 @@ from hicache_ray.engine.request import (
 )
 from hicache_ray.keys import page_hashes
 from hicache_ray.serving.pd_config import PDConfig
-from hicache_ray.serving.pd_split import Decision, decide
+from hicache_ray.serving.pd_split import Decision, decide, pick_prefill
 
 __all__ = ["PDConfig", "PDDeployment", "PDDoor", "PDResult", "PDStats"]
 
@@ -87,7 +89,8 @@ class PDResult(msgspec.Struct, kw_only=True):
 class PDStats(msgspec.Struct, kw_only=True):
     """The pair's counters since launch: requests by decision (``reasons``), prefills that
     did not deliver (``prefill_failed``), handoffs cut by their wait (``wait_expired``),
-    pages handed off through L3 and pages decode had to compute instead."""
+    pages handed off through L3 and pages decode had to compute instead, and the requests
+    sent to each prefill replica (``prefill_requests``)."""
 
     requests: int = 0
     split: int = 0
@@ -97,22 +100,31 @@ class PDStats(msgspec.Struct, kw_only=True):
     handoff_pages: int = 0
     handoff_missing: int = 0
     inflight_tokens: int = 0
+    prefill_requests: list[int] = msgspec.field(default_factory=list)
 
 
 class PDDeployment:
-    """A prefill deployment and a decode deployment sharing one L3 (module docstring)."""
+    """A prefill deployment (or several replicas of it) and a decode deployment sharing
+    one L3 (module docstring). ``prefills``: the prefill replicas; ``prefill``: the first."""
 
-    def __init__(self, config: PDConfig, prefill: Deployment, decode: Deployment) -> None:
+    def __init__(
+        self, config: PDConfig, prefill: Deployment | Sequence[Deployment], decode: Deployment
+    ) -> None:
         self.config = config
-        self.prefill = prefill
+        self.prefills = [prefill] if isinstance(prefill, Deployment) else list(prefill)
+        if not self.prefills:
+            raise ValueError("a pair needs at least one prefill deployment")
+        self.prefill = self.prefills[0]
         self.decode = decode
         self._page = config.decode.cache.memory.page_size
         self._salt = config.decode.cache.storage.tenant_salt
-        # "inflight": uncached tokens sent to the prefill side, not handed off yet
+        # "inflight" ("inflight.{i}" per replica): uncached tokens sent to the prefill side,
+        # not handed off yet; "sent.{i}": requests sent to replica i
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards _counts, _pace_per_1k (callers' loops)
         self._pace_per_1k = 0.0  # the prefill side's measured seconds per 1,024 tokens
-        self._watch = JournalWatch({"prefill": prefill, "decode": decode}, config.policy.poll_s)
+        sides = {f"prefill-{i}": p for i, p in enumerate(self.prefills)}
+        self._watch = JournalWatch({**sides, "decode": decode}, config.policy.poll_s)
         self._watch.start()
         if not self._watch.first_round.wait(_FIRST_VIEW_S):  # decisions start informed
             log.warning("no view of the sides' caches after %.0f s: deciding blind", _FIRST_VIEW_S)
@@ -120,20 +132,24 @@ class PDDeployment:
 
     @classmethod
     def launch(cls, config: PDConfig) -> PDDeployment:
-        """Launch both sides (prefill first); a side that cannot start stops the other.
+        """Launch both sides (the prefill replicas first); a side that cannot start stops
+        those started.
 
         Raises:
             TypeError: ``config`` is not a :class:`PDConfig`.
         """
         if not isinstance(config, PDConfig):
             raise TypeError(f"expected a PDConfig, got {type(config).__name__}")
-        prefill = Deployment.launch(config.prefill)
+        started: list[Deployment] = []
         try:
+            for side in config.prefill_sides():
+                started.append(Deployment.launch(side))
             decode = Deployment.launch(config.decode)
         except BaseException:
-            prefill.shutdown()
+            for deployment in started:
+                deployment.shutdown()
             raise
-        return cls(config, prefill, decode)
+        return cls(config, started, decode)
 
     # ------------------------------------------------------------- requests
 
@@ -186,7 +202,10 @@ class PDDeployment:
         held = self._watch.hits("decode", hashes)
         cached = (held.device + held.host + held.shared) * self._page
         n = len(request.tokens)
-        decision = decide(self.config.policy, n, min(cached, n), self._counts["inflight"])
+        replica, prior = self._pick(hashes, n)
+        with self._lock:
+            inflight = self._counts[f"inflight.{replica}"]
+        decision = decide(self.config.policy, n, min(cached, n), inflight)
         self._count("requests", 1)
         self._count(f"reason.{decision.reason.value}", 1)
         out = PDResult(
@@ -197,9 +216,20 @@ class PDDeployment:
         )
         if decision.split:
             self._count("split", 1)
-            prior = self._watch.hits("prefill", hashes)  # its L1 + L2 before the prefill
-            await self._hand_off(request, hashes, decision, out, prior.device + prior.host)
+            self._count(f"sent.{replica}", 1)
+            await self._hand_off(request, hashes, decision, out, (replica, prior))
         return out
+
+    def _pick(self, hashes: list[str], n: int) -> tuple[int, int]:
+        """The prefill replica for a prompt, and the pages it holds of it (L1 + L2)."""
+        held = []
+        for i in range(len(self.prefills)):
+            hits = self._watch.hits(f"prefill-{i}", hashes)
+            held.append(hits.device + hits.host)
+        with self._lock:
+            inflight = [self._counts[f"inflight.{i}"] for i in range(len(held))]
+        i = pick_prefill(n, [min(n, h * self._page) for h in held], inflight)
+        return i, held[i]
 
     async def _hand_off(
         self,
@@ -207,18 +237,20 @@ class PDDeployment:
         hashes: list[str],
         decision: Decision,
         out: PDResult,
-        held: int,
+        where: tuple[int, int],
     ) -> None:
-        """Prefill ``request`` on the prefill side and wait (bounded) for its pages in L3
-        (past its first ``held`` pages, which the prefill side held before)."""
-        start = time.monotonic()
+        """Prefill ``request`` on prefill replica ``where[0]`` and wait (bounded) for its
+        pages in L3 (past its first ``where[1]`` pages, which the replica held before)."""
+        (replica, held), start = where, time.monotonic()
+        mine, uncached = f"inflight.{replica}", decision.uncached_tokens
         with self._lock:
-            todo = self._counts["inflight"] + decision.uncached_tokens  # its own and ahead
-            self._counts["inflight"] += decision.uncached_tokens
+            todo = self._counts[mine] + uncached  # its own and those ahead of it there
+            self._counts[mine] += uncached
+            self._counts["inflight"] += uncached
             pace = self._pace_per_1k
         deadline = start + self.config.policy.wait_s(todo, pace)
         try:
-            out.prefill_error = await self._prefill(request, deadline, out)
+            out.prefill_error = await self._prefill(self.prefills[replica], request, deadline, out)
             out.prefill_s = time.monotonic() - start
             if out.prefill_error is None:
                 self._observe_pace(out.prefill_s, todo)
@@ -235,7 +267,9 @@ class PDDeployment:
                 stored = await self._watch.wait_stored(hashes, until, skip=skip)
             out.handoff_s = time.monotonic() - start - out.prefill_s
         finally:
-            self._count("inflight", -decision.uncached_tokens)
+            with self._lock:
+                self._counts[mine] -= uncached
+                self._counts["inflight"] -= uncached
         out.handoff_pages, out.handoff_missing = stored, len(hashes) - stored
         self._count("handoff_pages", stored)
         self._count("handoff_missing", len(hashes) - stored)
@@ -246,20 +280,21 @@ class PDDeployment:
             self._count("wait_expired", 1)
 
     async def _prefill(
-        self, request: GenerateRequest, deadline: float, out: PDResult
+        self, side: Deployment, request: GenerateRequest, deadline: float, out: PDResult
     ) -> str | None:
-        """The prompt computed on the prefill side before ``deadline``; why not otherwise."""
+        """The prompt computed on prefill replica ``side`` before ``deadline``; why not
+        otherwise."""
         rid = _prefill_rid(request.rid)
         prompt = GenerateRequest(rid, request.tokens, 0, request.sampling, request.cache_salt)
-        call = self.prefill.generate_async(prompt)
+        call = side.generate_async(prompt)
         try:
             left = max(0.0, deadline - time.monotonic())
             result = await asyncio.wait_for(call, timeout=left)
         except TimeoutError:
-            self.prefill.abort(rid)
+            side.abort(rid)
             return "no answer within the handoff wait"
         except asyncio.CancelledError:
-            self.prefill.abort(rid)
+            side.abort(rid)
             raise
         except DeploymentError as exc:
             return f"prefill deployment: {exc}"
@@ -281,7 +316,8 @@ class PDDeployment:
 
     def abort(self, rid: str) -> None:
         """Stop request ``rid`` on both sides (its result says ``abort``)."""
-        self.prefill.abort(_prefill_rid(rid))
+        for side in self.prefills:
+            side.abort(_prefill_rid(rid))
         self.decode.abort(rid)
 
     # ------------------------------------------------------------ inspection
@@ -300,11 +336,13 @@ class PDDeployment:
             handoff_pages=c["handoff_pages"],
             handoff_missing=c["handoff_missing"],
             inflight_tokens=c["inflight"],
+            prefill_requests=[c[f"sent.{i}"] for i in range(len(self.prefills))],
         )
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         """Both sides' :meth:`Deployment.wait_idle`."""
-        self.prefill.wait_idle(timeout_s)
+        for side in self.prefills:
+            side.wait_idle(timeout_s)
         self.decode.wait_idle(timeout_s)
 
     def release(self) -> None:
@@ -319,7 +357,8 @@ class PDDeployment:
         try:
             self.decode.shutdown()
         finally:
-            self.prefill.shutdown()
+            for side in self.prefills:
+                side.shutdown()
 
 
 def _prefill_rid(rid: str) -> str:

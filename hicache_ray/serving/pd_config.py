@@ -14,7 +14,7 @@ from hicache_ray.base.config import CacheConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.engine.spec import DeploymentConfig
-from hicache_ray.serving.pd_split import SplitPolicy
+from hicache_ray.serving.pd_split import MAX_PREFILL_REPLICAS, SplitPolicy
 
 __all__ = ["PDConfig"]
 
@@ -35,11 +35,14 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
         prefill: the prefill side (any TP x PP the store shares).
         decode: the decode side.
         policy: when a request is prefilled apart, and how long decode waits for it.
+        prefill_replicas: deployments of the prefill side, 1 to 64, each as ``prefill``
+            (named ``{prefill.name}-{i}`` when more than one): :meth:`prefill_sides`.
     """
 
     prefill: DeploymentConfig
     decode: DeploymentConfig
     policy: SplitPolicy = msgspec.field(default_factory=SplitPolicy)
+    prefill_replicas: int = 1
 
     def __post_init__(self) -> None:
         for side in ("prefill", "decode"):
@@ -48,8 +51,13 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(side, given, "wrong type", "give a DeploymentConfig")
         if not isinstance(self.policy, SplitPolicy):
             raise ConfigError("policy", self.policy, "wrong type", "give a SplitPolicy")
+        replicas = self.prefill_replicas
+        if type(replicas) is not int or not 1 <= replicas <= MAX_PREFILL_REPLICAS:
+            raise ConfigError(
+                "prefill_replicas", replicas, f"outside [1, {MAX_PREFILL_REPLICAS}]", "use 1"
+            )
         p, d = self.prefill, self.decode
-        if p.name == d.name:
+        if d.name in {p.name, *(side.name for side in self.prefill_sides())}:
             raise ConfigError("decode.name", d.name, "same as the prefill side's", "name each side")
         if p.cache.storage.backend == "none":
             raise ConfigError(
@@ -82,6 +90,16 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "fault-injection rules may differ)",
             )
 
+    def prefill_sides(self) -> list[DeploymentConfig]:
+        """The prefill replicas' settings: ``prefill`` itself when there is one."""
+        if self.prefill_replicas == 1:
+            return [self.prefill]
+        name = self.prefill.name
+        return [
+            msgspec.structs.replace(self.prefill, name=f"{name}-{i}")
+            for i in range(self.prefill_replicas)
+        ]
+
     @classmethod
     def pair(
         cls,
@@ -92,8 +110,10 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
         prefill_pp: int = 1,
         decode_pp: int = 1,
         policy: SplitPolicy | None = None,
+        prefill_replicas: int = 1,
     ) -> PDConfig:
-        """Both sides from ``base`` (named ``{name}-prefill`` and ``{name}-decode``), with
+        """Both sides from ``base`` (named ``{name}-prefill`` and ``{name}-decode``; the
+        prefill side ``prefill_replicas`` times), with
         their TP and PP sizes added to the store's ``share_tp`` and ``share_pp``, and the
         decode side's L3 lookup threshold at most the policy's ``min_uncached_tokens``."""
         storage = base.cache.storage
@@ -120,4 +140,5 @@ class PDConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "decode", decode_tp, decode_pp, msgspec.structs.replace(cache, prefetch=prefetch)
             ),
             policy=policy,
+            prefill_replicas=prefill_replicas,
         )

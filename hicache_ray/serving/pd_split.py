@@ -7,6 +7,9 @@ cached prompt is cheaper prefilled where it decodes (the handoff through L3 cost
 what an L3 hit costs). :func:`decide` makes that choice per request from what the caller
 knows: the prompt's length, what the decode side already holds of it (its L1, L2 and the
 shared L3, from the cache events), and the uncached tokens already sent to the prefill side.
+With several prefill replicas, :func:`pick_prefill` chooses the one that would finish the
+prompt first: what it would compute of it (the prompt less what it holds in L1 and L2; L3
+is the same for every replica) after the uncached tokens already sent to it.
 
 The handoff wait is bounded: :meth:`SplitPolicy.wait_s` is how long decode waits for the
 prefill side to compute the prompt and back it up to L3. Past it (or when prefill fails),
@@ -17,6 +20,7 @@ wrong token (decode uses only pages whose checksums verify).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -24,7 +28,9 @@ import msgspec
 from hicache_ray.base.checks import check_types
 from hicache_ray.base.errors import ConfigError
 
-__all__ = ["Decision", "Reason", "SplitPolicy", "decide"]
+__all__ = ["MAX_PREFILL_REPLICAS", "Decision", "Reason", "SplitPolicy", "decide", "pick_prefill"]
+
+MAX_PREFILL_REPLICAS = 64  # prefill deployments one pair may have
 
 
 class Reason(enum.Enum):
@@ -124,3 +130,20 @@ def decide(
     if inflight_tokens and inflight_tokens + uncached > policy.max_inflight_tokens:
         return Decision(False, Reason.BUSY, uncached)
     return Decision(True, Reason.SPLIT, uncached)
+
+
+def pick_prefill(prompt_tokens: int, held: Sequence[int], inflight: Sequence[int]) -> int:
+    """The prefill replica for a prompt of ``prompt_tokens``: replica ``i`` holds
+    ``held[i]`` of its tokens (L1 and L2) and has ``inflight[i]`` uncached tokens to compute
+    already; the one with the least to compute before this prompt is done (ties: the least
+    loaded, then the first)."""
+    if len(held) != len(inflight) or not held:
+        raise ValueError(f"one count per replica: held {len(held)}, in flight {len(inflight)}")
+    if prompt_tokens <= 0 or min(held) < 0 or min(inflight) < 0:
+        raise ValueError(f"counts must be >= 0 (and the prompt > 0): prompt {prompt_tokens}")
+
+    def cost(i: int) -> tuple[int, int, int]:
+        todo = max(0, prompt_tokens - held[i])
+        return inflight[i] + todo, inflight[i], i
+
+    return min(range(len(held)), key=cost)

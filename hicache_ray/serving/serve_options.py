@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from hicache_ray.base.config import CacheConfig, MemoryConfig, SchedulerConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.storage_config import FileStorageOptions, RayStorageOptions, StorageConfig
+from hicache_ray.serving.pd_split import MAX_PREFILL_REPLICAS
 
 if TYPE_CHECKING:  # the spec imports the model (torch); the CLI's --help imports this module
     from hicache_ray.engine.spec import DeploymentConfig
@@ -65,6 +66,11 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
         "prompts prefilled apart (docs/serving.md); the prefill side's TP size (0: off)",
     ),
     "decode_tp": ("0", "the decode side's TP size (with prefill_tp; tp is then unused)"),
+    "prefill_replicas": (
+        "1",
+        "with prefill_tp: deployments of the prefill side (1 to 64); each prompt prefilled "
+        "apart goes to the one that would finish it first",
+    ),
     "pd_min_uncached": (
         "1024",
         "with prefill_tp: prefill apart only prompts with at least this many tokens the "
@@ -217,11 +223,13 @@ def serve_replicas(args: dict[str, str]) -> tuple[int, str, dict[str, float]]:
 
 
 class PDServe(NamedTuple):
-    """A prefill/decode pair's serve options: its TP sizes and split threshold."""
+    """A prefill/decode pair's serve options: its TP sizes, split threshold and prefill
+    replicas."""
 
     prefill_tp: int
     decode_tp: int
     min_uncached_tokens: int
+    prefill_replicas: int = 1
 
 
 def serve_pd(args: dict[str, str]) -> PDServe | None:
@@ -232,8 +240,17 @@ def serve_pd(args: dict[str, str]) -> PDServe | None:
             than one replica or the vLLM engine (a pair is one replica for now).
     """
     sizes = [int(_number(k, args.get(k, "0"), int)) for k in ("prefill_tp", "decode_tp")]
+    replicas = int(_number("prefill_replicas", args.get("prefill_replicas", "1"), int))
     if sizes == [0, 0]:
+        if replicas != 1:
+            raise ConfigError(
+                "prefill_replicas", replicas, "without a pair", "give --prefill-tp and --decode-tp"
+            )
         return None
+    if not 1 <= replicas <= MAX_PREFILL_REPLICAS:
+        raise ConfigError(
+            "prefill_replicas", replicas, "out of range", f"give 1 to {MAX_PREFILL_REPLICAS}"
+        )
     for name, size in zip(("prefill_tp", "decode_tp"), sizes, strict=True):
         if not 1 <= size <= 64:
             raise ConfigError(name, size, "out of range", "give both sizes, 1 to 64 (or neither)")
@@ -248,7 +265,7 @@ def serve_pd(args: dict[str, str]) -> PDServe | None:
     least = int(_number("pd_min_uncached", args.get("pd_min_uncached", "1024"), int))
     if not 0 <= least <= 1 << 30:
         raise ConfigError("pd_min_uncached", least, "out of range", "give 0 to 2**30 tokens")
-    return PDServe(sizes[0], sizes[1], least)
+    return PDServe(sizes[0], sizes[1], least, replicas)
 
 
 # The serve options a vLLM cluster takes (the rest configure this library's engine).

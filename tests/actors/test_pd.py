@@ -18,6 +18,7 @@ import pytest
 from actors.faults import RankFault
 from hicache_ray.base.storage_config import Fault
 from hicache_ray.engine.request import GenerateRequest
+from hicache_ray.keys import page_hashes
 from hicache_ray.serving.pd_split import SplitPolicy
 from tests.actors.helpers import MODEL, PAGE, cache_config, prompt, recompute, store_name
 from tests.helpers import ensure_local_ray, wait_until
@@ -310,3 +311,40 @@ def test_other_shapes_hand_off_exactly(ray_local: None, store: str, sizes: dict[
         assert out.result.output_tokens == recompute(tokens, 6)
     finally:
         shaped.shutdown()
+
+
+def test_prefill_replicas_share_the_load_and_keep_their_prompts(
+    ray_local: None, store: str
+) -> None:
+    base = _base("pd-replicas", store, 0.5)
+    policy = msgspec.structs.replace(POLICY, min_uncached_share=0.1)
+    config = pd.PDConfig.pair(base, policy=policy, prefill_replicas=2)
+    pair3 = pd.PDDeployment.launch(config)
+    try:
+        assert [p.config.name for p in pair3.prefills] == [
+            "pd-replicas-prefill-0",
+            "pd-replicas-prefill-1",
+        ]
+        a, b = prompt(70, 48), prompt(71, 48)
+        # Both cold and idle: the first goes to replica 0, the second to the idle one.
+        out = pair3.generate([GenerateRequest("a", a, 4), GenerateRequest("b", b, 4)])
+        assert [o.split for o in out] == [True, True]
+        assert [o.handoff_missing for o in out] == [0, 0]
+        assert out[0].result.output_tokens == recompute(a, 4)
+        assert out[1].result.output_tokens == recompute(b, 4)
+        assert pair3.stats().prefill_requests == [1, 1]
+        # A longer prompt over a's goes to the replica holding a's pages.
+        hashes = page_hashes(a, PAGE)
+        wait_until(
+            lambda: pair3._watch.hits("prefill-0", hashes).device == len(hashes),
+            timeout_s=30,
+            what="the pair to see replica 0's pages",
+        )
+        longer = a + prompt(72, 40)
+        turn = pair3.generate([GenerateRequest("longer", longer, 4)])[0]
+        assert turn.split and turn.prefill_cached_tokens >= 48, turn
+        assert turn.result.output_tokens == recompute(longer, 4)
+        assert pair3.stats().prefill_requests == [2, 1]
+        _nothing_held(*pair3.prefills, pair3.decode)
+    finally:
+        pair3.shutdown()

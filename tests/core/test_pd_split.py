@@ -14,7 +14,7 @@ from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.serving.cache_index import CacheIndex
 from hicache_ray.serving.pd_config import PDConfig
-from hicache_ray.serving.pd_split import Reason, SplitPolicy, decide
+from hicache_ray.serving.pd_split import Reason, SplitPolicy, decide, pick_prefill
 
 POLICY = SplitPolicy(min_uncached_tokens=1000, min_uncached_share=0.5, max_inflight_tokens=8000)
 
@@ -117,6 +117,42 @@ def test_sides_that_cannot_hand_pages_over_are_refused() -> None:
         PDConfig(prefill=none, decode=msgspec.structs.replace(none, name="pd-decode"))
     with pytest.raises(ConfigError, match="prefill"):
         PDConfig(prefill="tp2", decode=good.decode)  # type: ignore[arg-type]
+
+
+def test_prefill_replicas_are_named_apart_and_bounded() -> None:
+    three = PDConfig.pair(_base(), prefill_replicas=3)
+    names = [side.name for side in three.prefill_sides()]
+    assert names == ["pd-prefill-0", "pd-prefill-1", "pd-prefill-2"]
+    assert {side.tp_size for side in three.prefill_sides()} == {three.prefill.tp_size}
+    assert PDConfig.pair(_base()).prefill_sides() == [PDConfig.pair(_base()).prefill]
+    for bad in (0, 65, 1.0, "2"):
+        with pytest.raises(ConfigError, match="prefill_replicas"):
+            PDConfig.pair(_base(), prefill_replicas=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"decode\.name"):  # a replica's name
+        msgspec.structs.replace(three, decode=msgspec.structs.replace(three.decode, name=names[1]))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "held", "inflight", "chosen"),
+    [
+        (2048, [0, 0], [0, 0], 0),  # idle and cold: the first
+        (2048, [0, 0], [4096, 0], 1),  # the idle one
+        (2048, [2048, 0], [1024, 0], 0),  # it holds the prompt: 1,024 to do there, 2,048 here
+        (2048, [1024, 0], [2048, 0], 1),  # its queue outweighs what it holds
+        (2048, [4096, 4096], [512, 256], 1),  # both hold it all: the less loaded
+        (100, [0, 0, 0], [50, 10, 10], 1),  # a tie on both: the first of them
+    ],
+)
+def test_a_split_prompt_goes_to_the_replica_that_finishes_it_first(
+    prompt: int, held: list[int], inflight: list[int], chosen: int
+) -> None:
+    assert pick_prefill(prompt, held, inflight) == chosen
+
+
+def test_bad_replica_counts_are_refused() -> None:
+    for args in ((10, [], []), (10, [0], [0, 0]), (0, [0], [0]), (10, [-1], [0]), (10, [0], [-1])):
+        with pytest.raises(ValueError):
+            pick_prefill(*args)
 
 
 def test_the_index_counts_leading_pages_in_l3() -> None:
