@@ -37,6 +37,7 @@ from actors.faults import FaultHooks, RankFault
 from actors.metrics import StatsPublisher
 from actors.stats import RankHealth, RankStats
 from actors.waiter import Waiter
+from hicache_ray.base.affinity import pin_process
 from hicache_ray.base.errors import HiCacheError
 from hicache_ray.cache.controller import CacheController, start_rendezvous
 from hicache_ray.cache.controller.consensus import Rendezvous
@@ -91,6 +92,7 @@ class RankActor:
         # event loop; Ray warns about any ray.get in an async actor.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 
+        pin_process(config.cpu_cores)  # before torch starts threads of its own
         torch.set_num_threads(max(1, int(config.cpus_per_rank)))
         self.config = config
         self.rank = rank

@@ -166,6 +166,10 @@ def _deployment_benches(bsub: Any) -> None:
     _report_flags(trace)
     add_flags(trace, TraceOptions)
     trace.add_argument("--quick", action="store_true", help="30 requests, tiny model (smoke)")
+    _pd_bench(bsub)
+
+
+def _pd_bench(bsub: Any) -> None:
     pd = _command(
         bsub,
         "pd",
@@ -174,10 +178,16 @@ def _deployment_benches(bsub: Any) -> None:
     )
     _report_flags(pd)
     add_flags(pd, PDOptions)
-    pd.add_argument(
+    ways = pd.add_mutually_exclusive_group()
+    ways.add_argument(
         "--faults",
         action="store_true",
         help="instead, the fault table: a pair under each fault (docs/serving.md)",
+    )
+    ways.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead, TTFT apart vs where it decodes per uncached length (docs/serving.md)",
     )
 
 

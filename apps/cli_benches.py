@@ -128,5 +128,17 @@ def bench_pd(args: argparse.Namespace, _: None) -> int:
         config = {"faults": True, "scenarios": list(PD_FAULT_SCENARIOS)}
         return finish(args, "bench pd", config, found, rows) or missed(found)
     opts = PDOptions(**flag_values(args, PDOptions))
+    if args.sweep:
+        from apps.bench import pd_sweep
+
+        found = pd_sweep.run_pd_sweep(opts, log)
+        config = {
+            **dataclasses.asdict(opts),
+            "sweep": True,
+            "sweep_tokens": list(pd_sweep.SWEEP_TOKENS),
+            "sweep_shares": list(pd_sweep.SWEEP_SHARES),
+            "share_tail": pd_sweep.SHARE_TAIL,
+        }
+        return finish(args, "bench pd", config, found) or missed(found)
     figures = run_pd_bench(opts, log)
     return plotted(args, "bench pd", opts, figures, lambda png: plot_pd(figures, png))

@@ -15,6 +15,11 @@ as many CPUs in all (no L3: it computes every prompt) serve the same work:
 3. ``decoders`` short streams decoding ``decoder_tokens`` tokens each while two more long
    prompts arrive. ``pd.itl_p99_vs_colocated``: the p99 gap between the streams' tokens on
    the pair, over the same on the colocated deployment.
+
+Where the host has a core per rank of both sides, the sides run on separate cores (the
+prefill side's ranks on the first ``prefill_tp``, the decode side's on the next
+``decode_tp``; ``DeploymentConfig.cpu_cores``) and the colocated deployment on all of
+them; ``pd.pinned`` says whether they were.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.serving.pd_split import SplitPolicy
 
-__all__ = ["run_pd_bench"]
+__all__ = ["pair_config", "run_pd_bench"]
 
 _PAGE = 16
 
@@ -53,16 +58,9 @@ def _prompts(opts: PDOptions, vocab: int, n: int, seed: int) -> list[list[int]]:
 
 def run_pd_bench(opts: PDOptions, log: Callable[[str], None]) -> list[Figure]:
     """The figures of one run (see the module docstring)."""
-    model = preset(opts.model)
-    store = f"bench-pd-{os.getpid()}"
-    tokens = 2 * (opts.prompt_tokens + opts.follow_tokens) + opts.decoders * 256
-    memory = MemoryConfig(page_size=_PAGE, device_tokens=tokens)
-    storage = shared_storage(f"reference/{model.name}", RayStorageOptions(name=store))
-    cache = CacheConfig(memory=memory, storage=storage)
-    base = DeploymentConfig(name=f"bench-pd-{os.getpid()}", model=model, cache=cache)
     policy = SplitPolicy(min_uncached_tokens=1024, min_uncached_share=0.15)
-    sizes = {"prefill_tp": opts.prefill_tp, "decode_tp": opts.decode_tp}
-    config = PDConfig.pair(base, policy=policy, **sizes)
+    config, cores = pair_config(opts, policy, log)
+    model = config.decode.model
     longs = _prompts(opts, model.vocab_size, opts.requests, 0)
     arriving = _prompts(opts, model.vocab_size, 2, 1000)
     with embedded_ray(opts.prefill_tp + opts.decode_tp + 1):
@@ -74,16 +72,50 @@ def run_pd_bench(opts: PDOptions, log: Callable[[str], None]) -> list[Figure]:
                 pair.shutdown()
             cpus = (opts.prefill_tp + opts.decode_tp) / opts.decode_tp
             colocated = msgspec.structs.replace(
-                base,
-                name=f"{base.name}-colocated",
-                tp_size=opts.decode_tp,
+                config.decode,
+                name=f"{config.decode.name}-colocated",
                 cpus_per_rank=cpus,
-                cache=CacheConfig(memory=memory, storage=StorageConfig()),
+                cpu_cores=cores,
+                cache=CacheConfig(memory=config.decode.cache.memory, storage=StorageConfig()),
             )
             alone = _colocated_work(colocated, opts, longs, arriving)
         finally:
-            drop_store(store)
-    return _figures(split, alone, log)
+            drop_store(config.decode.cache.storage.ray.name)
+    return [*_figures(split, alone, log), figure("pd.pinned", float(bool(cores)), "bool")]
+
+
+def pair_config(
+    opts: PDOptions, policy: SplitPolicy, log: Callable[[str], None]
+) -> tuple[PDConfig, tuple[int, ...]]:
+    """The pair ``bench pd`` runs (a store of its own), its sides pinned to cores of their
+    own where the host has enough; those cores (() when not pinned)."""
+    model = preset(opts.model)
+    store = f"bench-pd-{os.getpid()}"
+    tokens = 2 * (opts.prompt_tokens + opts.follow_tokens) + opts.decoders * 256
+    memory = MemoryConfig(page_size=_PAGE, device_tokens=tokens)
+    storage = shared_storage(f"reference/{model.name}", RayStorageOptions(name=store))
+    cache = CacheConfig(memory=memory, storage=storage)
+    base = DeploymentConfig(name=f"bench-pd-{os.getpid()}", model=model, cache=cache)
+    sizes = {"prefill_tp": opts.prefill_tp, "decode_tp": opts.decode_tp}
+    config = PDConfig.pair(base, policy=policy, **sizes)
+    cores = _cores(opts.prefill_tp + opts.decode_tp)
+    if cores:
+        config = msgspec.structs.replace(
+            config,
+            prefill=msgspec.structs.replace(config.prefill, cpu_cores=cores[: opts.prefill_tp]),
+            decode=msgspec.structs.replace(config.decode, cpu_cores=cores[opts.prefill_tp :]),
+        )
+    log(f"pd: sides pinned to cores {cores}" if cores else "pd: too few cores to pin the sides")
+    return config, cores
+
+
+def _cores(n: int) -> tuple[int, ...]:
+    """``n`` cores this process may use, lowest first; () when it has fewer (or the OS
+    cannot pin)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return ()
+    allowed = sorted(os.sched_getaffinity(0))
+    return tuple(allowed[:n]) if len(allowed) >= n else ()
 
 
 def _pair_work(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from hicache_ray.base.affinity import check_cores
 from hicache_ray.base.checks import (
     check_custom_resources,
     check_not_negative,
@@ -33,6 +34,10 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
         cache: every rank's cache settings (pools, write and prefetch policies, L3).
         scheduler: how ranks batch requests (step token budget, running and queue bounds).
         cpus_per_rank: CPUs each rank reserves; its torch threads are set to this.
+        cpu_cores: host cores (Linux CPU numbers) every rank's process runs on, all its
+            threads; empty: any core. Ray reserves CPUs by count, not by core, so this is
+            how two deployments on one node stay off each other's cores (``bench pd``
+            pins its two sides apart). A core the rank's host lacks fails its start.
         gpus_per_rank: 1 on GPU clusters (the pools and the model then live on CUDA), 0 on
             CPU-only ones.
         bundle_resources: more resources each rank's bundle asks for: custom node resources
@@ -57,6 +62,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     cpus_per_rank: float = 1.0
+    cpu_cores: tuple[int, ...] = ()
     gpus_per_rank: int = 0
     bundle_resources: dict[str, float] = msgspec.field(default_factory=dict)
     host_budget_bytes: int = 0
@@ -117,6 +123,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def _check_limits(self) -> None:
         check_positive("cpus_per_rank", self.cpus_per_rank)
+        check_cores("cpu_cores", self.cpu_cores)
         check_not_negative("gpus_per_rank", self.gpus_per_rank)
         check_custom_resources(
             "bundle_resources",

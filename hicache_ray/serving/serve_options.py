@@ -72,7 +72,7 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
         "apart goes to the one that would finish it first",
     ),
     "pd_min_uncached": (
-        "1024",
+        "2048",
         "with prefill_tp: prefill apart only prompts with at least this many tokens the "
         "decode side does not hold",
     ),
@@ -262,7 +262,7 @@ def serve_pd(args: dict[str, str]) -> PDServe | None:
         raise ConfigError(
             "prefill_tp", sizes[0], "a pair serves as one hicache replica", "drop --replicas"
         )
-    least = int(_number("pd_min_uncached", args.get("pd_min_uncached", "1024"), int))
+    least = int(_number("pd_min_uncached", args.get("pd_min_uncached", "2048"), int))
     if not 0 <= least <= 1 << 30:
         raise ConfigError("pd_min_uncached", least, "out of range", "give 0 to 2**30 tokens")
     return PDServe(sizes[0], sizes[1], least, replicas)

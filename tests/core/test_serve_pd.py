@@ -11,11 +11,11 @@ from hicache_ray.serving.serve_options import PDServe, serve_pd
 def test_no_sizes_is_one_deployment_and_both_make_a_pair() -> None:
     assert serve_pd({}) is None
     assert serve_pd({"prefill_tp": "0", "decode_tp": "0"}) is None
-    assert serve_pd({"prefill_tp": "2", "decode_tp": "1"}) == PDServe(2, 1, 1024)
+    assert serve_pd({"prefill_tp": "2", "decode_tp": "1"}) == PDServe(2, 1, 2048)
     pair = serve_pd({"prefill_tp": "4", "decode_tp": "2", "pd_min_uncached": "64"})
     assert pair == PDServe(4, 2, 64)
     three = serve_pd({"prefill_tp": "1", "decode_tp": "1", "prefill_replicas": "3"})
-    assert three == PDServe(1, 1, 1024, 3)
+    assert three == PDServe(1, 1, 2048, 3)
 
 
 @pytest.mark.parametrize(

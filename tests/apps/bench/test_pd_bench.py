@@ -25,11 +25,13 @@ def test_bench_pd_writes_every_figure_and_answers_exactly(tmp_path: Path, ray_lo
         "pd.itl_p99_vs_colocated",
         "pd.wrong_outputs",
         "pd.next_turn_hit_share",
+        "pd.pinned",
     }
     assert report.command == "bench pd" and report.config["prompt_tokens"] == 1024
     assert by_name["pd.wrong_outputs"].value == 0
     assert by_name["pd.next_turn_hit_share"].value == 1.0
     assert 0 < by_name["pd.handoff_share"].value < 1
+    assert by_name["pd.pinned"].value in (0.0, 1.0)
     ceiling = by_name["pd.itl_p99_vs_colocated"].ceiling
     assert ceiling is not None and ceiling > 0
 
@@ -44,3 +46,26 @@ def test_bench_pd_faults_answers_every_scenario_exactly(tmp_path: Path, ray_loca
     assert by_name["pd.faults.scenarios"] == len(report.rows) == 8
     # the runs that split were answered from what L3 held, or recomputed; none hung
     assert all(row["seconds"] < 120 for row in report.rows)
+
+
+def test_bench_pd_sweep_measures_both_ways_at_every_length(tmp_path: Path, ray_local: None) -> None:
+    from apps.bench.pd_sweep import SWEEP_SHARES, SWEEP_TOKENS
+
+    out = tmp_path / "pd-sweep.json"
+    argv = ["bench", "pd", "--sweep", "--model", "tiny4", "--prompt-tokens", "1024"]
+    # a model this small computes faster than the handoff: no length may pay
+    assert main([*argv, "--json", str(out)]) in (0, 1)
+    report = msgspec.json.decode(out.read_bytes(), type=Report)
+    by_name = {f.name: f.value for f in report.figures}
+    assert report.config["sweep"] is True
+    for n in SWEEP_TOKENS:  # every request was split or not as asked (else the run fails)
+        assert by_name[f"pd.sweep.{n}.ttft_apart_ms"] > 0
+        assert by_name[f"pd.sweep.{n}.ttft_here_ms"] > 0
+        assert 0 < by_name[f"pd.sweep.{n}.handoff_share"] < 1
+    for share in SWEEP_SHARES:  # the head computed on decode first, then both ways
+        assert by_name[f"pd.sweep.share_{share}.ttft_apart_ms"] > 0
+        assert by_name[f"pd.sweep.share_{share}.ttft_here_ms"] > 0
+        assert by_name[f"pd.sweep.share_{share}.extra_share"] < 1
+    least = by_name["pd.sweep.min_uncached_tokens"]
+    assert least in {*SWEEP_TOKENS, 2 * max(SWEEP_TOKENS)}
+    assert by_name["pd.sweep.min_uncached_share"] in {*SWEEP_SHARES, 1.0}
