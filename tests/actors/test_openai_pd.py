@@ -33,7 +33,8 @@ def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     serve.start(http_options={"host": "127.0.0.1", "port": free})
     args = {
         "model": str(checkpoint),
-        "prefill_tp": "2",
+        "prefill_tp": "1",
+        "prefill_replicas": "2",  # two prefill deployments behind the one door
         "decode_tp": "1",
         "pd_min_uncached": "32",
         "device_tokens": "1024",
