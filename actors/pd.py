@@ -118,8 +118,8 @@ class PDDeployment:
         self.decode = decode
         self._page = config.decode.cache.memory.page_size
         self._salt = config.decode.cache.storage.tenant_salt
-        # "inflight" ("inflight.{i}" per replica): uncached tokens sent to the prefill side,
-        # not handed off yet; "sent.{i}": requests sent to replica i
+        # "inflight.{i}": uncached tokens sent to prefill replica i, not handed off yet;
+        # "sent.{i}": requests sent to replica i
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # guards _counts, _pace_per_1k (callers' loops)
         self._pace_per_1k = 0.0  # the prefill side's measured seconds per 1,024 tokens
@@ -246,7 +246,6 @@ class PDDeployment:
         with self._lock:
             todo = self._counts[mine] + uncached  # its own and those ahead of it there
             self._counts[mine] += uncached
-            self._counts["inflight"] += uncached
             pace = self._pace_per_1k
         deadline = start + self.config.policy.wait_s(todo, pace)
         try:
@@ -267,9 +266,7 @@ class PDDeployment:
                 stored = await self._watch.wait_stored(hashes, until, skip=skip)
             out.handoff_s = time.monotonic() - start - out.prefill_s
         finally:
-            with self._lock:
-                self._counts[mine] -= uncached
-                self._counts["inflight"] -= uncached
+            self._count(mine, -uncached)
         out.handoff_pages, out.handoff_missing = stored, len(hashes) - stored
         self._count("handoff_pages", stored)
         self._count("handoff_missing", len(hashes) - stored)
@@ -335,7 +332,7 @@ class PDDeployment:
             wait_expired=c["wait_expired"],
             handoff_pages=c["handoff_pages"],
             handoff_missing=c["handoff_missing"],
-            inflight_tokens=c["inflight"],
+            inflight_tokens=sum(c[f"inflight.{i}"] for i in range(len(self.prefills))),
             prefill_requests=[c[f"sent.{i}"] for i in range(len(self.prefills))],
         )
 

@@ -46,7 +46,6 @@ SWEEP_SHARES = (0.25, 0.5, 0.75)
 SHARE_TAIL = 2048
 MAX_COST = 0.1
 _REPEATS = 2
-_PAGE = 16
 
 
 class Row(NamedTuple):
@@ -74,8 +73,9 @@ def run_pd_sweep(opts: PDOptions, log: Callable[[str], None]) -> list[Figure]:
                 for n in SWEEP_TOKENS:
                     lengths[n] = _point(pair, local, 0, n, opts.seed)
                     log(f"pd sweep: {n} uncached tokens: {_says(lengths[n])} (handoff)")
+                page = config.decode.cache.memory.page_size
                 for share in SWEEP_SHARES:
-                    head = round(SHARE_TAIL * (1 - share) / share / _PAGE) * _PAGE
+                    head = round(SHARE_TAIL * (1 - share) / share / page) * page
                     shares[share] = _point(pair, local, head, SHARE_TAIL, opts.seed)
                     log(f"pd sweep: uncached share {share}: {_says(shares[share])} (extra)")
             finally:
