@@ -47,7 +47,7 @@ from hicache_ray.engine.request import GenerateRequest, RequestResult
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.serving.pd_split import SplitPolicy
 
-__all__ = ["pair_config", "run_pd_bench"]
+__all__ = ["check_result", "pair_config", "run_pd_bench"]
 
 _PAGE = 16
 
@@ -128,7 +128,7 @@ def _pair_work(
     firsts: list[PDResult] = []
     for i, prompt in enumerate(longs):
         out = pair.generate([GenerateRequest(f"long-{i}", prompt, opts.new_tokens)])[0]
-        _check(out.result)
+        check_result(out.result)
         log(
             f"pd: request {i}: split {out.split}, TTFT {out.ttft_s * 1e3:.0f} ms (prefill "
             f"{out.prefill_s * 1e3:.0f}, handoff {out.handoff_s * 1e3:.0f}, decode forward "
@@ -141,7 +141,7 @@ def _pair_work(
         new = random_tokens(pair.config.decode.model.vocab_size, opts.follow_tokens, 500 + i)
         follow = prompt + first.result.output_tokens + new
         turn = pair.generate([GenerateRequest(f"turn2-{i}", follow, opts.new_tokens)])[0]
-        _check(turn.result)
+        check_result(turn.result)
         stored = (len(prompt) + len(first.result.output_tokens) - 1) // _PAGE * _PAGE
         shares.append(min(1.0, turn.prefill_cached_tokens / stored) if turn.split else 0.0)
     vocab = pair.config.decode.model.vocab_size
@@ -159,7 +159,7 @@ def _colocated_work(
             for i, p in enumerate(longs)
         ]
         for r in results:
-            _check(r)
+            check_result(r)
         vocab = config.model.vocab_size
         itl = asyncio.run(_itl(dep.generate_async, dep.stream, opts, arriving, vocab))
     finally:
@@ -179,7 +179,7 @@ async def _itl(
         last = 0.0
         async for chunk in stream(GenerateRequest(f"dec-{i}", tokens, opts.decoder_tokens)):
             if chunk.result is not None:
-                _check(chunk.result)
+                check_result(chunk.result)
             now = time.perf_counter()
             if chunk.tokens and last:  # a chunk of k tokens: k gaps of a k-th each
                 gaps.extend([(now - last) / len(chunk.tokens)] * len(chunk.tokens))
@@ -188,7 +188,7 @@ async def _itl(
 
     async def long(i: int, prompt: list[int]) -> None:
         out = await generate(GenerateRequest(f"arrive-{i}", prompt, opts.new_tokens))
-        _check(out.result if isinstance(out, PDResult) else out)
+        check_result(out.result if isinstance(out, PDResult) else out)
 
     await asyncio.gather(
         *(decoder(i) for i in range(opts.decoders)),
@@ -197,7 +197,8 @@ async def _itl(
     return gaps
 
 
-def _check(result: RequestResult) -> None:
+def check_result(result: RequestResult) -> None:
+    """Raise when a bench request failed (a figure over failed requests would lie)."""
     if result.error is not None:
         raise RuntimeError(f"bench request {result.rid} failed: {result.error}")
 

@@ -17,7 +17,8 @@ reads it and decodes) and where they decode (the split turned off). Figures are 
 
 There a split costs a request at most a tenth of its TTFT (the issue's handoff target) and
 frees the decode side's running streams of its prefill (``bench pd``'s ITL figure):
-``SplitPolicy``'s defaults come from these two figures.
+``SplitPolicy``'s defaults come from these two figures; ``max_inflight_tokens`` from the
+burst that ends the sweep (:mod:`apps.bench.pd_inflight`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from actors.pd import PDDeployment, PDResult
 from actors.stores import drop_store
 from apps.bench.options import PDOptions
 from apps.bench.pd_bench import pair_config
+from apps.bench.pd_inflight import inflight_figures, inflight_runs
 from apps.bench.workload import random_tokens
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure
@@ -78,12 +80,13 @@ def run_pd_sweep(opts: PDOptions, log: Callable[[str], None]) -> list[Figure]:
                     head = round(SHARE_TAIL * (1 - share) / share / page) * page
                     shares[share] = _point(pair, local, head, SHARE_TAIL, opts.seed)
                     log(f"pd sweep: uncached share {share}: {_says(shares[share])} (extra)")
+                bursts = inflight_runs(pair, opts, log)
             finally:
                 local.release()
                 pair.shutdown()
         finally:
             drop_store(config.decode.cache.storage.ray.name)
-    return _figures(lengths, shares, bool(cores), log)
+    return [*_figures(lengths, shares, bool(cores), log), *inflight_figures(bursts, config, log)]
 
 
 def _says(row: Row) -> str:
