@@ -50,7 +50,7 @@ def test_bench_pd_faults_answers_every_scenario_exactly(tmp_path: Path, ray_loca
 
 
 def test_bench_pd_sweep_measures_both_ways_at_every_length(tmp_path: Path, ray_local: None) -> None:
-    from apps.bench.pd_inflight import BURST_PROMPTS, INFLIGHT_CAPS
+    from apps.bench.pd_inflight import BURST_PROMPTS, BURST_TOKENS, INFLIGHT_CAPS
     from apps.bench.pd_sweep import SWEEP_SHARES, SWEEP_TOKENS
 
     out = tmp_path / "pd-sweep.json"
@@ -71,16 +71,15 @@ def test_bench_pd_sweep_measures_both_ways_at_every_length(tmp_path: Path, ray_l
     least = by_name["pd.sweep.min_uncached_tokens"]
     assert least in {*SWEEP_TOKENS, 2 * max(SWEEP_TOKENS)}
     assert by_name["pd.sweep.min_uncached_share"] in {*SWEEP_SHARES, 1.0}
-    # the burst: nothing split with the split off, the whole burst under the largest cap,
-    # at least its first prompt under the smallest (how many more depends on how fast the
-    # prefill side hands them off, on this model faster than the burst arrives)
-    shares = {cap: by_name[f"pd.sweep.inflight.{cap}.split_share"] for cap in INFLIGHT_CAPS}
+    # the burst: nothing split with the split off; under a cap of k prompts' tokens, the
+    # first k (every decision is taken before any prompt is handed off)
     assert by_name["pd.sweep.inflight.off.split_share"] == 0
-    assert shares[min(INFLIGHT_CAPS)] >= 1 / BURST_PROMPTS
-    assert shares[max(INFLIGHT_CAPS)] == 1.0
-    for cap in ("off", *INFLIGHT_CAPS):
-        assert by_name[f"pd.sweep.inflight.{cap}.ttft_p90_ms"] > 0
-        assert by_name[f"pd.sweep.inflight.{cap}.itl_p99_ms"] > 0
+    for cap in INFLIGHT_CAPS:
+        want = min(BURST_PROMPTS, cap // BURST_TOKENS) / BURST_PROMPTS
+        assert by_name[f"pd.sweep.inflight.{cap}.split_share"] == want, cap
+    for run in ("off", *map(str, INFLIGHT_CAPS)):
+        assert by_name[f"pd.sweep.inflight.{run}.ttft_p90_ms"] > 0
+        assert by_name[f"pd.sweep.inflight.{run}.itl_p99_ms"] > 0
     assert by_name["pd.sweep.inflight.min_cap"] in INFLIGHT_CAPS
     pace = by_name["pd.sweep.inflight.pace_per_1k_s"]
     assert pace > 0
