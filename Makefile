@@ -65,8 +65,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# PYTHONFAULTHANDLER: a crash past pytest's own session (at interpreter exit) prints
+# every thread's stack too.
 unit: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/vllm
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --ignore=tests/vllm
 
 # The vLLM connector on a real vLLM engine (CPU), in .venv-vllm.
 test-vllm: $(VLLM_STAMP)
