@@ -28,7 +28,7 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -43,11 +43,11 @@ from apps.report import Figure, figure, percentile
 from hicache_ray.base.config import CacheConfig, MemoryConfig
 from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.engine.model import preset
-from hicache_ray.engine.request import GenerateRequest, RequestResult
+from hicache_ray.engine.request import GenerateRequest, RequestResult, StreamChunk
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.serving.pd_split import SplitPolicy
 
-__all__ = ["check_result", "pair_config", "run_pd_bench"]
+__all__ = ["check_result", "pair_config", "run_pd_bench", "stream_gaps"]
 
 _PAGE = 16
 
@@ -176,15 +176,9 @@ async def _itl(
 
     async def decoder(i: int) -> None:
         tokens = random_tokens(vocab, 64, 9000 + i)
-        last = 0.0
-        async for chunk in stream(GenerateRequest(f"dec-{i}", tokens, opts.decoder_tokens)):
-            if chunk.result is not None:
-                check_result(chunk.result)
-            now = time.perf_counter()
-            if chunk.tokens and last:  # a chunk of k tokens: k gaps of a k-th each
-                gaps.extend([(now - last) / len(chunk.tokens)] * len(chunk.tokens))
-            if chunk.tokens:
-                last = now
+        gaps.extend(
+            await stream_gaps(stream(GenerateRequest(f"dec-{i}", tokens, opts.decoder_tokens)))
+        )
 
     async def long(i: int, prompt: list[int]) -> None:
         out = await generate(GenerateRequest(f"arrive-{i}", prompt, opts.new_tokens))
@@ -194,6 +188,22 @@ async def _itl(
         *(decoder(i) for i in range(opts.decoders)),
         *(long(i, p) for i, p in enumerate(arriving)),
     )
+    return gaps
+
+
+async def stream_gaps(chunks: AsyncIterator[StreamChunk]) -> list[float]:
+    """The seconds between one stream's tokens (a chunk of k tokens: k gaps of a k-th
+    each); raises when its request failed."""
+    gaps: list[float] = []
+    last = 0.0
+    async for chunk in chunks:
+        if chunk.result is not None:
+            check_result(chunk.result)
+        now = time.perf_counter()
+        if chunk.tokens and last:
+            gaps.extend([(now - last) / len(chunk.tokens)] * len(chunk.tokens))
+        if chunk.tokens:
+            last = now
     return gaps
 
 

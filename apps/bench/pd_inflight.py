@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -35,7 +34,7 @@ import msgspec
 
 from actors.pd import PDConfig, PDDeployment, PDResult
 from apps.bench.options import PDOptions
-from apps.bench.pd_bench import check_result
+from apps.bench.pd_bench import check_result, stream_gaps
 from apps.bench.workload import random_tokens
 from apps.report import Figure, figure, percentile
 from hicache_ray.engine.request import GenerateRequest
@@ -99,15 +98,7 @@ async def _burst(view: PDDeployment, opts: PDOptions, seed: int) -> Burst:
         while not done.is_set():
             tokens = random_tokens(vocab, _STREAM_PROMPT, seed + 10_000 + 97 * i + turn)
             request = GenerateRequest(f"burst-dec-{seed}-{i}-{turn}", tokens, opts.decoder_tokens)
-            last = 0.0
-            async for chunk in view.stream(request):
-                if chunk.result is not None:
-                    check_result(chunk.result)
-                now = time.perf_counter()
-                if chunk.tokens and last:  # a chunk of k tokens: k gaps of a k-th each
-                    gaps.extend([(now - last) * 1e3 / len(chunk.tokens)] * len(chunk.tokens))
-                if chunk.tokens:
-                    last = now
+            gaps.extend(g * 1e3 for g in await stream_gaps(view.stream(request)))
             turn += 1
 
     async def burst() -> list[PDResult]:
