@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
@@ -44,6 +44,7 @@ from actors.shards import (
 )
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
+from hicache_ray.base.workers import started_pool
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend
 from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
@@ -98,7 +99,7 @@ class RayObjects(ObjectStore):
         # 0: join the store's own count, or make one shard per node that can hold one
         self.num_shards = options.num_shards or existing or max(1, len(candidate_nodes(options)))
         self._shards = [shard_handle(options, i, self.num_shards) for i in range(self.num_shards)]
-        self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-ray-copy")
+        self._copiers = started_pool(_COPY_THREADS, "hicache-ray-copy")
         self._located = Located()  # where leading lookups found their keys, for reads
         # NOTE: a store that is slow to start (new shard processes on a loaded machine) or
         # restarting is not an error to whoever opens it: its batches are misses until

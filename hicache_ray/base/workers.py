@@ -1,13 +1,15 @@
 """The one skeleton of the background threads (copies, L3 queries, reads and backups): a
-daemon thread serving the items of its ``inbox`` in order until it gets ``None``."""
+daemon thread serving the items of its ``inbox`` in order until it gets ``None``; and
+thread pools whose threads all run before their first job (:func:`started_pool`)."""
 
 from __future__ import annotations
 
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-__all__ = ["InboxWorker"]
+__all__ = ["InboxWorker", "started_pool"]
 
 T = TypeVar("T")
 
@@ -41,3 +43,20 @@ class InboxWorker(threading.Thread, Generic[T]):
 
     def finished(self, item: T) -> None:
         """Done with ``item``, whether it failed or not."""
+
+
+def started_pool(threads: int, prefix: str) -> ThreadPoolExecutor:
+    """A pool of ``threads`` threads, every one of them started now.
+
+    A ``ThreadPoolExecutor`` starts a thread on a submit that finds none idle, and that
+    submit waits until the thread runs: a fresh rank's first L3 hit started its copy
+    threads on its critical path, each start waiting for a core while the hit's other
+    threads ran. Here each thread is held at a barrier until all have started.
+    """
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+    barrier = threading.Barrier(threads + 1)
+    jobs = [pool.submit(barrier.wait) for _ in range(threads)]
+    barrier.wait()
+    for job in jobs:
+        job.result()
+    return pool

@@ -32,6 +32,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
 from hicache_ray.base.views import byte_view
+from hicache_ray.base.workers import started_pool
 from hicache_ray.integrations.sglang.host_layouts import HostGeometry, flat_page_buffer, object_view
 from hicache_ray.integrations.sglang.setup import (
     host_geometry,
@@ -88,7 +89,7 @@ class HiCacheRayStorage(HiCacheStorage):  # type: ignore[misc]  # sglang has no 
         plan = plan_objects(kv, storage)
         self._backend = connect(storage, plan)
         self._plan, self._geometry = plan, geometry
-        self._copiers = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="hicache-sglang-copy")
+        self._copiers = started_pool(_COPY_THREADS, "hicache-sglang-copy")
         log.info(
             "hicache-ray storage %s: %d objects per page (%s), namespace %s",
             storage.backend,
