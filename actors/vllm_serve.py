@@ -17,9 +17,10 @@ vLLM's CPU build here, so the cluster plugs into it instead of wrapping vLLM ane
   sent, or the text tokenized as vLLM tokenizes it (the model's tokenizer and chat
   template); ``prefix`` is Ray's ``PrefixCacheAffinityRouter``; ``pow2`` Serve's default.
 
-:func:`vllm_cluster_config` turns an ``LLMConfig`` into the cluster's; build the app with
-Ray LLM's ``build_openai_app``. Runs where vLLM and ``ray[serve,llm]`` are installed
-(``make setup-vllm``).
+:func:`vllm_cluster_config` turns an ``LLMConfig`` into the cluster's; :func:`cluster_app`
+builds the app with Ray LLM's ``build_openai_app`` and :class:`HiCacheIngress`, its OpenAI
+ingress that sends a call again when its replica dies before answering. Runs where vLLM
+and ``ray[serve,llm]`` are installed (``make setup-vllm``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.request_router import PendingRequest
 
@@ -43,9 +47,11 @@ from hicache_ray.integrations.vllm.events import VllmJournal
 from hicache_ray.serving.serve_options import vllm_serve_spec
 
 __all__ = [
+    "HiCacheIngress",
     "HiCacheLLMServer",
     "VllmCacheRouter",
     "build_vllm_app",
+    "cluster_app",
     "drop_cluster_store",
     "vllm_cluster_config",
 ]
@@ -54,6 +60,7 @@ log = logging.getLogger(__name__)
 
 INDEX_KEY = "hicache_index"  # experimental_configs: the application's index name
 ROUTERS = ("cache", "prefix", "pow2")
+RESENDS = 2  # a call whose replica died before answering is sent again at most this often
 
 
 def _connector_options(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +127,7 @@ def build_vllm_app(args: dict[str, str]) -> Any:
     """The Serve app of ``hicache-ray serve --engine vllm`` (serve options ``args``, checked
     by :func:`~hicache_ray.serving.serve_options.vllm_serve_spec`): Ray LLM's OpenAI app
     over the cluster's replicas."""
-    from ray.serve.llm import LLMConfig, build_openai_app
+    from ray.serve.llm import LLMConfig
 
     spec = vllm_serve_spec(args)
     config = LLMConfig(
@@ -131,7 +138,53 @@ def build_vllm_app(args: dict[str, str]) -> Any:
         deployment_config={"num_replicas": spec["replicas"], "ray_actor_options": {"num_cpus": 0}},
     )
     cluster = vllm_cluster_config(config, f"vllm-{os.getpid()}", spec["router"], spec["weights"])
-    return build_openai_app({"llm_configs": [cluster]})
+    return cluster_app([cluster])
+
+
+def cluster_app(llm_configs: list[Any], **builder: Any) -> Any:
+    """Ray LLM's OpenAI app (``build_openai_app``) over ``llm_configs`` (each made by
+    :func:`vllm_cluster_config`), with :class:`HiCacheIngress` as its ingress; ``builder``:
+    the builder's other arguments (``ingress_deployment_config``, ...)."""
+    from ray.serve.llm import build_openai_app
+
+    if "ingress_cls_config" in builder:
+        raise ConfigError(
+            "ingress_cls_config",
+            builder["ingress_cls_config"],
+            "the cluster's ingress is HiCacheIngress",
+            "leave it out, or call build_openai_app yourself",
+        )
+    ingress = {"ingress_cls": HiCacheIngress}
+    return build_openai_app({"llm_configs": llm_configs, "ingress_cls_config": ingress, **builder})
+
+
+class HiCacheIngress(OpenAiIngress):
+    """Ray LLM's OpenAI ingress, sending a call again (to the replica the router picks now)
+    when the replica it went to died before its first response: a call answered in one
+    response (not streamed) is never lost to a replica's death, nor a stream that has sent
+    nothing yet; at most :data:`RESENDS` times. A stream cut after its first chunk ends
+    with the error (its tokens were sent: it cannot be replayed unseen)."""
+
+    async def _get_response(self, **call: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        for attempt in range(RESENDS + 1):
+            answered = False
+            try:
+                async for response in super()._get_response(**call):
+                    answered = True
+                    yield response
+                return
+            except (RayActorError, RayTaskError) as exc:
+                if answered or attempt == RESENDS or not replica_gone(exc):
+                    raise
+                log.warning("a replica died before answering (%s): sending the call again", exc)
+
+
+def replica_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (from a Serve handle's call) says the replica died or is
+    unreachable, rather than that the call itself failed."""
+    if isinstance(exc, RayTaskError):
+        return isinstance(exc.cause, RayActorError)
+    return isinstance(exc, RayActorError)
 
 
 def drop_cluster_store(args: dict[str, str]) -> None:

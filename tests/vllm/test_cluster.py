@@ -2,7 +2,8 @@
 (vLLM's CPU build, the connector on one file store) publish their own KV events to the
 application's index, and the cache router sends each next turn to the replica that holds
 its history; the connector's saves become the application's L3 pages; greedy answers of 50 calls
-equal a plain vLLM engine's; a killed replica is forgotten and its replacement learned."""
+equal a plain vLLM engine's; a killed replica is forgotten and its replacement learned, and
+the call it was answering is sent again to the other."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import socket
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,9 +35,13 @@ REPLICA_ENV = {
 }
 
 
+MAX_LEN = 512  # the checkpoint's positions
+LONG = MAX_LEN - 4 * PAGE  # tokens of the answer a replica is killed in the middle of
+
+
 def _config(checkpoint: Path, root: Path, **engine: Any) -> Any:
     kwargs = {
-        "dtype": "float32", "block_size": PAGE, "max_model_len": 512, "enforce_eager": True,
+        "dtype": "float32", "block_size": PAGE, "max_model_len": MAX_LEN, "enforce_eager": True,
         "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": file_store(root)},
         **engine,
     }  # fmt: skip
@@ -66,6 +72,24 @@ def test_bad_cluster_configs_are_refused(checkpoint: Path, tmp_path: Path) -> No
     assert routed.experimental_configs["hicache_index"] == APP
 
 
+def test_the_ingress_resends_only_calls_whose_replica_is_gone(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+    from actors.vllm_serve import cluster_app, replica_gone, vllm_cluster_config
+
+    assert replica_gone(ActorDiedError())
+    assert replica_gone(ActorUnavailableError("unreachable", None))
+    died_below = RayTaskError("chat", "traceback", ActorDiedError())
+    assert replica_gone(died_below)
+    assert not replica_gone(RayTaskError("chat", "traceback", ValueError("bad prompt")))
+    assert not replica_gone(ValueError("bad prompt"))
+    config = vllm_cluster_config(_config(checkpoint, tmp_path), APP)
+    with pytest.raises(ConfigError, match="HiCacheIngress"):
+        cluster_app([config], ingress_cls_config={"ingress_cls": "x:Y"})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,7 +100,7 @@ def _free_port() -> int:
 def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     from ray import serve
 
-    from actors.vllm_serve import vllm_cluster_config
+    from actors.vllm_serve import cluster_app, vllm_cluster_config
     from tests.helpers import ensure_local_ray
 
     ensure_local_ray()
@@ -86,7 +110,7 @@ def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     # a loaded 2-core machine may answer the router late: it waits rather than guess
     config = vllm_cluster_config(config, APP, router="cache", weights={"wait_s": 30.0})
     try:
-        serve.run(llm_api.build_openai_app({"llm_configs": [config]}), name=APP)
+        serve.run(cluster_app([config]), name=APP)
         yield port
     finally:
         serve.shutdown()
@@ -191,8 +215,16 @@ def test_a_killed_replica_is_forgotten_and_its_replacement_learned(
     for prompt in turns:
         _complete(cluster, prompt)
     wait_until(partial(_all_held, index, turns), 60, "the turns in the index")
-    lost = _holders(index, turns)[0][0]
-    ray.kill(_replica_actor(lost), no_restart=True)
+    # A call with a long answer (turn 0's next): the replica serving it is killed once the
+    # call's prompt is in its cache (LONG tokens still to go), and the call is sent again.
+    long = turns[0] + [7] * PAGE
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(_complete, cluster, long, LONG)
+        wait_until(lambda: bool(_holders(index, [long])[0]), 60, "the long call's prompt held")
+        lost = _holders(index, [long])[0][0]
+        ray.kill(_replica_actor(lost), no_restart=True)
+        answer = call.result(timeout=300)
+    assert len(answer) == LONG
 
     def forgotten() -> bool:  # by the routers, or with the index itself when lost made it
         replicas = _replicas_now()
@@ -212,6 +244,8 @@ def test_a_killed_replica_is_forgotten_and_its_replacement_learned(
 
     wait_until(held, 60, "the next turns in the index")
     assert all(lost not in holders for holders in _holders(_index_now(), turns).values())
+    # the long call was answered by the survivor: its prompt is in that replica's cache
+    assert _holders(_index_now(), [long])[0] not in ([], [lost])
 
     def replaced() -> bool:  # Serve starts a replacement, whose events reach the index
         replicas = _replicas_now()
