@@ -7,6 +7,12 @@ there, routers read it (:mod:`actors.routing`). :class:`Publisher` runs in each 
 replica and sends its journal's new batches every ``PUBLISH_EVERY_S``: a
 :class:`~actors.deployment.Deployment`'s, or a vLLM engine's
 (:class:`~hicache_ray.integrations.vllm.events.VllmJournal`, :mod:`actors.vllm_serve`).
+
+Routers make the index (:func:`index_actor`); publishers only find it (:func:`find_index`)
+and wait for it. A Ray actor lives as long as the process that made it, so the index lives
+in a router's process (the ingress), not in an engine replica's: a replica that dies, is
+replaced or scaled down takes no index with it, and the routers keep what the others
+published.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from hicache_ray.cache.events import EventBatch
 from hicache_ray.serving.cache_index import Hits
 from hicache_ray.serving.index_feed import FeedUpdate, IndexFeed
 
-__all__ = ["EventSource", "IndexActor", "Publisher", "index_actor"]
+__all__ = ["EventSource", "IndexActor", "Publisher", "find_index", "index_actor"]
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +114,23 @@ class IndexActor:
 
 
 def index_actor(app: str) -> Any:
-    """The index of application ``app`` (made by whoever asks first; it lives as long as
-    that replica, and the next one to ask makes it again)."""
-    name = f"hicache-index-{app}"
+    """The index of application ``app``, made if none runs (by a router or a benchmark's
+    reader: it lives as long as the process that made it, and the next to ask makes it
+    again)."""
     actor = ray.remote(num_cpus=0)(IndexActor)
-    return actor.options(name=name, namespace=_NAMESPACE, get_if_exists=True).remote(app)
+    return actor.options(name=_name(app), namespace=_NAMESPACE, get_if_exists=True).remote(app)
+
+
+def find_index(app: str) -> Any | None:
+    """The index of application ``app`` if one runs, else None (never made here)."""
+    try:
+        return ray.get_actor(_name(app), namespace=_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _name(app: str) -> str:
+    return f"hicache-index-{app}"
 
 
 class EventSource(Protocol):
@@ -125,7 +143,8 @@ class EventSource(Protocol):
 
 
 class Publisher(threading.Thread):
-    """Sends one replica's cache events to the index, every ``PUBLISH_EVERY_S``."""
+    """Sends one replica's cache events to the index, every ``PUBLISH_EVERY_S``, once a
+    router has made it (nobody reads it before; the first batch then is a snapshot)."""
 
     def __init__(self, source: EventSource, app: str, replica: str) -> None:
         super().__init__(name="hicache-events", daemon=True)
@@ -138,7 +157,7 @@ class Publisher(threading.Thread):
             try:
                 self._publish()
             except ray.exceptions.ActorDiedError as exc:
-                if "IndexActor" in str(exc):  # its maker went: asked for (made) again
+                if "IndexActor" in str(exc):  # its maker went: found again once remade
                     self._index = None
                 log.debug("cache events of %s not published: %s", self._replica, exc)
             except Exception as exc:  # the ranks are re-forming, or slow: next round
@@ -146,7 +165,9 @@ class Publisher(threading.Thread):
 
     def _publish(self) -> None:
         if self._index is None:
-            self._index = index_actor(self._app)
+            self._index = find_index(self._app)
+            if self._index is None:
+                return  # no router has made it yet
         epoch, seq = ray.get(self._index.position.remote(self._replica), timeout=10)
         batches = self._deployment.cache_events(epoch, seq)
         if batches is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from actors.index_actor import index_actor
 from apps.bench.options import RouteOptions
 from apps.bench.serve_http_bench import openai_client
 from apps.bench.workload import random_tokens
@@ -98,15 +99,15 @@ class Truth:
     """The index's answer to: how many leading prompt tokens does the best replica hold?"""
 
     def __init__(self, app: str, page_size: int) -> None:
-        self._name, self._page_size = f"hicache-index-{app}", page_size
+        self._app, self._page_size = app, page_size
         self._index: Any = None
 
     async def best(self, prompt: list[int]) -> int | None:
         """Tokens the best replica could serve from L1 + L2 (the last prompt token is
         always computed); None when the index cannot tell."""
         try:
-            if self._index is None:
-                self._index = ray.get_actor(self._name, namespace="hicache")
+            if self._index is None:  # made here if no router made it (prefix, pow2)
+                self._index = index_actor(self._app)
             live = await asyncio.to_thread(_live_replicas)  # not a killed one's leftovers
             hits = await self._index.hits.remote(live, page_hashes(prompt, self._page_size))
         except Exception:  # restarting with its maker: asked for again next turn

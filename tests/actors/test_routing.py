@@ -103,7 +103,6 @@ def test_the_next_turn_reaches_the_replica_that_holds_its_history(
     ray_local: None, two_replicas: int
 ) -> None:
     port = two_replicas
-    index = ray.get_actor(f"hicache-index-openai-{os.getpid()}", namespace="hicache")
     turns: list[list[int]] = []
     holders: dict[int, str] = {}
     for attempt in range(3):  # first turns at once, so they spread over both replicas
@@ -114,6 +113,7 @@ def test_the_next_turn_reaches_the_replica_that_holds_its_history(
         with concurrent.futures.ThreadPoolExecutor(len(new)) as pool:
             answers = list(pool.map(lambda p: _complete(port, p), new))
         assert all(_cached(a) == 0 for a in answers)  # nothing cached anywhere yet
+        index = _index()  # the router made it for the first call
         turns += new
         wait_until(partial(_all_held, index, list(turns)), 60, "the first turns in the index")
         holders = _holders(index, turns)
@@ -139,6 +139,46 @@ def test_the_next_turn_reaches_the_replica_that_holds_its_history(
     for c in sorted(kept):
         answer = _complete(port, turns[c] + [2] * PAGE)
         assert _cached(answer) >= len(turns[c]) // PAGE * PAGE - PAGE, (c, answer["usage"])
+
+
+def _index() -> Any:
+    """The application's index, which the router made (never made here)."""
+    from actors.index_actor import find_index
+
+    index = find_index(f"openai-{os.getpid()}")
+    assert index is not None, "no router made the index"
+    return index
+
+
+def _engine_replicas() -> list[Any]:
+    """The Serve actors of the app's engine replicas."""
+    return [
+        ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::routed#hicache-engine#")
+    ]
+
+
+def test_the_index_outlives_every_engine_replica(ray_local: None, two_replicas: int) -> None:
+    """The router's process makes the index, not a replica's publisher: with both engine
+    replicas killed it still answers, and learns their replacements."""
+    port, prompt = two_replicas, [(13 * i) % 200 + 1 for i in range(8 * PAGE)]
+    _complete(port, prompt)
+    index = _index()
+    old = ray.get(index.replicas.remote())
+    killed = _engine_replicas()
+    assert len(killed) == 2
+    for replica in killed:
+        ray.kill(replica, no_restart=True)
+    wait_until(lambda: len(_engine_replicas()) == 2, 120, "two replacement replicas")
+    _complete(port, prompt)  # answered by a replacement
+    assert ray.get(index.size.remote(), timeout=30) >= 0  # the same actor, alive
+
+    def learned() -> bool:
+        replicas = set(ray.get(index.replicas.remote()))
+        return len(replicas) == 2 and not replicas & set(old)
+
+    wait_until(learned, 120, "the replacements in the index, the killed ones gone")
 
 
 def _stream_lines(port: int, prompt: list[int], max_tokens: int) -> Iterator[str]:

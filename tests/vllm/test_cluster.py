@@ -152,9 +152,10 @@ def test_next_turns_reach_the_replica_that_holds_their_history(
 ) -> None:
     from tests.vllm.helpers import plain_engine
 
-    index = ray.get_actor(f"hicache-index-{APP}", namespace="hicache")
     turns = [[(7 * c + i) % 200 + 3 for i in range(3 * PAGE)] for c in range(4)]
     answers = {c: _complete(cluster, p) for c, p in enumerate(turns)}
+    index = _index_now()  # the router made it for the first call
+    assert index is not None
     wait_until(partial(_all_held, index, turns), 60, "the first turns in the index")
     assert len(ray.get(index.replicas.remote())) == 2
     first = {c: held[0] for c, held in _holders(index, turns).items()}
@@ -189,31 +190,23 @@ def _replica_actor(replica: str) -> Any:
 
 
 def _index_now() -> Any:
-    """The application's index as it is now, or None. It dies with the replica that made
-    it, and the next publisher makes it again (from the survivors' snapshots)."""
-    try:
-        index = ray.get_actor(f"hicache-index-{APP}", namespace="hicache")
-        ray.get(index.size.remote(), timeout=30)
-    except (ValueError, ray.exceptions.RayError):
-        return None
-    return index
+    """The application's index (the router's process made it), or None."""
+    from actors.index_actor import find_index
+
+    return find_index(APP)
 
 
-def _replicas_now() -> list[str] | None:
-    index = _index_now()
-    try:
-        return None if index is None else list(ray.get(index.replicas.remote(), timeout=30))
-    except ray.exceptions.RayError:
-        return None
+def _replicas_now(index: Any) -> list[str]:
+    return list(ray.get(index.replicas.remote(), timeout=30))
 
 
 def test_a_killed_replica_is_forgotten_and_its_replacement_learned(
     ray_local: None, cluster: int
 ) -> None:
-    index = _index_now()
     turns = [[(11 * c + i) % 200 + 3 for i in range(3 * PAGE)] for c in range(2)]
     for prompt in turns:
         _complete(cluster, prompt)
+    index = _index_now()
     wait_until(partial(_all_held, index, turns), 60, "the turns in the index")
     # A call with a long answer (turn 0's next): the replica serving it is killed once the
     # call's prompt is in its cache (LONG tokens still to go), and the call is sent again.
@@ -225,30 +218,20 @@ def test_a_killed_replica_is_forgotten_and_its_replacement_learned(
         ray.kill(_replica_actor(lost), no_restart=True)
         answer = call.result(timeout=300)
     assert len(answer) == LONG
-
-    def forgotten() -> bool:  # by the routers, or with the index itself when lost made it
-        replicas = _replicas_now()
-        return replicas is not None and bool(replicas) and lost not in replicas
-
-    wait_until(forgotten, 90, "the killed replica gone from the index")
+    # the index is the router's, not a replica's: the kill took nothing of it but the replica
+    wait_until(lambda: lost not in _replicas_now(index), 90, "the killed replica forgotten")
+    now = _index_now()
+    assert now is not None and now._actor_id == index._actor_id
     for c, prompt in enumerate(turns):  # every call after the kill is answered
         turns[c] = prompt + [(c + 5) % 200 + 3] * PAGE
         assert len(_complete(cluster, turns[c])) == 4
-
-    def held() -> bool:
-        index = _index_now()
-        try:
-            return index is not None and _all_held(index, turns)
-        except ray.exceptions.RayError:  # it died again meanwhile: ask the next one
-            return False
-
-    wait_until(held, 60, "the next turns in the index")
-    assert all(lost not in holders for holders in _holders(_index_now(), turns).values())
+    wait_until(partial(_all_held, index, turns), 60, "the next turns in the index")
+    assert all(lost not in holders for holders in _holders(index, turns).values())
     # the long call was answered by the survivor: its prompt is in that replica's cache
-    assert _holders(_index_now(), [long])[0] not in ([], [lost])
+    assert _holders(index, [long])[0] not in ([], [lost])
 
     def replaced() -> bool:  # Serve starts a replacement, whose events reach the index
-        replicas = _replicas_now()
-        return replicas is not None and len(replicas) == 2 and lost not in replicas
+        replicas = _replicas_now(index)
+        return len(replicas) == 2 and lost not in replicas
 
     wait_until(replaced, 300, "the replacement replica in the index")
