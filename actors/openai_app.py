@@ -11,7 +11,8 @@ fails inside, 401 without a valid key when the door has keys (checked before the
 read; each key's tenant has a cache of its own: :mod:`hicache_ray.serving.tenants`). A
 stream sends nothing until the engine's first chunk, so every refusal is a status. A
 replica takes ``max_running + max_queued`` requests at once (:func:`max_ongoing_requests`),
-so HTTP clients get the engine's batching and queue.
+so HTTP clients get the engine's batching and queue. Behind several engine replicas, a
+call whose replica dies before answering is sent again (:mod:`actors.resend`).
 
     serve run actors.openai_app:build_app model=/path/to/checkpoint tp=2
     hicache-ray serve --model /path/to/checkpoint --tp 2      # the same, from the CLI
@@ -34,6 +35,7 @@ from actors.deployment import Deployment
 from actors.http_body import read_body
 from actors.openai_engine import RETRY_AFTER_S, EngineCall, OpenAIEngine, parse_call, prepend
 from actors.pd import PDConfig, PDDeployment, PDDoor
+from actors.resend import resent_call, resent_stream
 from actors.stores import drop_store, set_quotas
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.serving.openai.protocol import (
@@ -204,15 +206,16 @@ class OpenAIIngress(_Front):
         self.engine = engine
 
     async def _respond(self, call: EngineCall) -> dict[str, Any]:
-        try:
-            body: dict[str, Any] = await self.engine.respond.remote(call)
+        try:  # sent again if its replica dies first (actors.resend)
+            body: dict[str, Any] = await resent_call(lambda: self.engine.respond.remote(call))
         except Exception as exc:
             raise _remote_error(exc) from None
         return body
 
     async def _events(self, call: EngineCall) -> AsyncIterator[bytes]:
-        try:
-            async for event in self.engine.options(stream=True).events.remote(call):
+        stream = self.engine.options(stream=True).events
+        try:  # sent again if its replica dies before the first event (actors.resend)
+            async for event in resent_stream(lambda: stream.remote(call)):
                 yield event
         except Exception as exc:
             raise _remote_error(exc) from None

@@ -33,12 +33,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.serve.request_router import PendingRequest
 
 from actors.index_actor import Publisher
+from actors.resend import resent_stream
 from actors.routing import PREFIX_ROUTER, CacheAwareRouter
 from actors.stores import drop_store
 from hicache_ray.base.errors import ConfigError
@@ -60,7 +60,6 @@ log = logging.getLogger(__name__)
 
 INDEX_KEY = "hicache_index"  # experimental_configs: the application's index name
 ROUTERS = ("cache", "prefix", "pow2")
-RESENDS = 2  # a call whose replica died before answering is sent again at most this often
 
 
 def _connector_options(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -160,31 +159,10 @@ def cluster_app(llm_configs: list[Any], **builder: Any) -> Any:
 
 class HiCacheIngress(OpenAiIngress):
     """Ray LLM's OpenAI ingress, sending a call again (to the replica the router picks now)
-    when the replica it went to died before its first response: a call answered in one
-    response (not streamed) is never lost to a replica's death, nor a stream that has sent
-    nothing yet; at most :data:`RESENDS` times. A stream cut after its first chunk ends
-    with the error (its tokens were sent: it cannot be replayed unseen)."""
+    when the replica it went to died before its first response (:mod:`actors.resend`)."""
 
-    async def _get_response(self, **call: Any) -> AsyncIterator[Any]:  # type: ignore[override]
-        for attempt in range(RESENDS + 1):
-            answered = False
-            try:
-                async for response in super()._get_response(**call):
-                    answered = True
-                    yield response
-                return
-            except (RayActorError, RayTaskError) as exc:
-                if answered or attempt == RESENDS or not replica_gone(exc):
-                    raise
-                log.warning("a replica died before answering (%s): sending the call again", exc)
-
-
-def replica_gone(exc: BaseException) -> bool:
-    """Whether ``exc`` (from a Serve handle's call) says the replica died or is
-    unreachable, rather than that the call itself failed."""
-    if isinstance(exc, RayTaskError):
-        return isinstance(exc.cause, RayActorError)
-    return isinstance(exc, RayActorError)
+    def _get_response(self, **call: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        return resent_stream(lambda: super(HiCacheIngress, self)._get_response(**call))
 
 
 def drop_cluster_store(args: dict[str, str]) -> None:

@@ -24,6 +24,7 @@ from tests.helpers import ensure_local_ray, wait_until
 ray = pytest.importorskip("ray")
 
 PAGE = 4
+LONG = 1800  # tokens of an answer that replicas are killed in the middle of (L1: 2,048)
 
 
 def test_bad_replica_options_are_refused() -> None:
@@ -159,19 +160,36 @@ def _engine_replicas() -> list[Any]:
     ]
 
 
-def test_the_index_outlives_every_engine_replica(ray_local: None, two_replicas: int) -> None:
-    """The router's process makes the index, not a replica's publisher: with both engine
-    replicas killed it still answers, and learns their replacements."""
+def test_engine_replicas_killed_mid_call_lose_neither_the_call_nor_the_index(
+    ray_local: None, two_replicas: int
+) -> None:
+    """Both engine replicas are killed while one answers a call: the ingress sends the call
+    again (to a replacement, once one runs) and it is answered in full; the index, which the
+    router's process made (not a replica's publisher), still answers and learns the
+    replacements."""
     port, prompt = two_replicas, [(13 * i) % 200 + 1 for i in range(8 * PAGE)]
     _complete(port, prompt)
     index = _index()
     old = ray.get(index.replicas.remote())
     killed = _engine_replicas()
     assert len(killed) == 2
-    for replica in killed:
-        ray.kill(replica, no_restart=True)
-    wait_until(lambda: len(_engine_replicas()) == 2, 120, "two replacement replicas")
-    _complete(port, prompt)  # answered by a replacement
+    ranks = [  # rank 0 of each replica, whatever generation it re-formed to
+        ray.get_actor(name, namespace="hicache") for name in _live_ranks() if "rank0" in name
+    ]
+    assert len(ranks) == 2
+
+    def busy() -> int:  # replicas with a request (or background work) in flight
+        return sum(not idle for idle in ray.get([r.idle.remote() for r in ranks]))
+
+    wait_until(lambda: busy() == 0, 60, "both replicas idle")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(_complete, port, prompt + [3] * PAGE, LONG)
+        wait_until(lambda: busy() > 0, 60, "the call running")  # decoding outlasts the kill
+        for replica in killed:
+            ray.kill(replica, no_restart=True)
+        answer = call.result(timeout=300)
+    assert answer["usage"]["completion_tokens"] == LONG
+    assert answer["usage"]["prompt_tokens_details"]["hicache"]["replica"] not in old
     assert ray.get(index.size.remote(), timeout=30) >= 0  # the same actor, alive
 
     def learned() -> bool:

@@ -72,19 +72,9 @@ def test_bad_cluster_configs_are_refused(checkpoint: Path, tmp_path: Path) -> No
     assert routed.experimental_configs["hicache_index"] == APP
 
 
-def test_the_ingress_resends_only_calls_whose_replica_is_gone(
-    checkpoint: Path, tmp_path: Path
-) -> None:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+def test_the_cluster_app_keeps_its_ingress(checkpoint: Path, tmp_path: Path) -> None:
+    from actors.vllm_serve import cluster_app, vllm_cluster_config
 
-    from actors.vllm_serve import cluster_app, replica_gone, vllm_cluster_config
-
-    assert replica_gone(ActorDiedError())
-    assert replica_gone(ActorUnavailableError("unreachable", None))
-    died_below = RayTaskError("chat", "traceback", ActorDiedError())
-    assert replica_gone(died_below)
-    assert not replica_gone(RayTaskError("chat", "traceback", ValueError("bad prompt")))
-    assert not replica_gone(ValueError("bad prompt"))
     config = vllm_cluster_config(_config(checkpoint, tmp_path), APP)
     with pytest.raises(ConfigError, match="HiCacheIngress"):
         cluster_app([config], ingress_cls_config={"ingress_cls": "x:Y"})
