@@ -33,6 +33,7 @@ __all__ = ["EventSource", "IndexActor", "Publisher", "find_index", "index_actor"
 log = logging.getLogger(__name__)
 
 PUBLISH_EVERY_S = 0.02  # how often a replica sends its new cache events to the index
+FIND_EVERY_S = 1.0  # how often a replica looks for an index no router has made yet
 SILENT_S = 30.0  # a replica that has not published for this long is gone from the index
 _NAMESPACE = "hicache"
 
@@ -144,7 +145,9 @@ class EventSource(Protocol):
 
 class Publisher(threading.Thread):
     """Sends one replica's cache events to the index, every ``PUBLISH_EVERY_S``, once a
-    router has made it (nobody reads it before; the first batch then is a snapshot)."""
+    router has made it (nobody reads it before; the first batch then is a snapshot). Until
+    then it looks for it every ``FIND_EVERY_S``: behind Ray's routers (``prefix``,
+    ``pow2``) no router makes one, and a lookup is a call to Ray's control store."""
 
     def __init__(self, source: EventSource, app: str, replica: str) -> None:
         super().__init__(name="hicache-events", daemon=True)
@@ -153,9 +156,10 @@ class Publisher(threading.Thread):
         self._index: Any = None
 
     def run(self) -> None:
-        while not self._halt.wait(PUBLISH_EVERY_S):
+        wait = PUBLISH_EVERY_S
+        while not self._halt.wait(wait):
             try:
-                self._publish()
+                wait = PUBLISH_EVERY_S if self._publish() else FIND_EVERY_S
             except ray.exceptions.ActorDiedError as exc:
                 if "IndexActor" in str(exc):  # its maker went: found again once remade
                     self._index = None
@@ -163,11 +167,12 @@ class Publisher(threading.Thread):
             except Exception as exc:  # the ranks are re-forming, or slow: next round
                 log.debug("cache events of %s not published: %s", self._replica, exc)
 
-    def _publish(self) -> None:
+    def _publish(self) -> bool:
+        """Send what is new; False when there is no index to send it to."""
         if self._index is None:
             self._index = find_index(self._app)
             if self._index is None:
-                return  # no router has made it yet
+                return False  # no router has made it yet
         epoch, seq = ray.get(self._index.position.remote(self._replica), timeout=10)
         batches = self._deployment.cache_events(epoch, seq)
         if batches is None:
@@ -176,6 +181,7 @@ class Publisher(threading.Thread):
         elif batches and not ray.get(self._index.apply.remote(self._replica, batches), timeout=10):
             # a gap: forgotten, so the next round's position asks for a snapshot
             ray.get(self._index.remove.remote(self._replica), timeout=10)
+        return True
 
     def stop(self) -> None:
         self._halt.set()
