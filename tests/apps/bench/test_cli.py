@@ -205,7 +205,9 @@ def test_an_l3_hit_on_a_fresh_deployment_beside_bare_reads(ray_local: None) -> N
     assert wait.target == 1.5 and wait.ceiling is not None and wait.ceiling > 0
     assert by_name["runtime.l3_hit.ttft_vs_l1.tp2"].target == 60.0
     assert by_name["runtime.l3_hit.ttft_ms.tp2"].value > 0
-    assert by_name["runtime.l3_hit.tp2.ttft_split.prefetch_s_p50_ms"].value > 0
+    assert wait.value > 0  # admitted to started: query, agreement and reads
+    # a small prefix's reads may end inside the admitting step, which then counts them
+    assert by_name["runtime.l3_hit.tp2.ttft_split.prefetch_s_p50_ms"].value >= 0
     # a store slower than compute (an injected delay), with the recompute guard and without
     guarded = by_name["runtime.slow_store.hit_vs_recompute"]
     assert guarded.target == 1.1 and guarded.ceiling is not None and guarded.ceiling > 0
