@@ -39,19 +39,19 @@ def replica_gone(exc: BaseException) -> bool:
 
 async def resent_call(send: Callable[[], Awaitable[T]]) -> T:
     """``await send()``, sent again when its replica died before answering."""
-    for attempt in range(RESENDS + 1):
+    for attempt in range(RESENDS):
         try:
             return await send()
         except (RayActorError, RayTaskError) as exc:
-            if attempt == RESENDS or not replica_gone(exc):
+            if not replica_gone(exc):
                 raise
             _resending(exc, attempt)
-    raise AssertionError("unreachable")  # the last attempt returned or raised
+    return await send()  # the last try: whatever it raises is the answer
 
 
 async def resent_stream(send: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:
     """The items of ``send()``, sent again when its replica died before the first."""
-    for attempt in range(RESENDS + 1):
+    for attempt in range(RESENDS):
         started = False
         try:
             async for item in send():
@@ -59,9 +59,11 @@ async def resent_stream(send: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T
                 yield item
             return
         except (RayActorError, RayTaskError) as exc:
-            if started or attempt == RESENDS or not replica_gone(exc):
+            if started or not replica_gone(exc):
                 raise
             _resending(exc, attempt)
+    async for item in send():  # the last try
+        yield item
 
 
 def _resending(exc: BaseException, attempt: int) -> None:
