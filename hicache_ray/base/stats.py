@@ -172,6 +172,13 @@ class ControllerStats(msgspec.Struct, kw_only=True):
             "(passes)",
         ),
     ] = 0
+    backup_waited_for_reads: Annotated[
+        int,
+        counter(
+            "l3_backup_waited_for_reads",
+            "Backup store calls held while this rank's L3 queries or reads ran (waits)",
+        ),
+    ] = 0
     peer_failures: Annotated[
         int,
         counter(

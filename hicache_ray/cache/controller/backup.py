@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from hicache_ray.base.workers import InboxWorker
 from hicache_ray.cache.controller.failure import Failure
+from hicache_ray.cache.controller.reads_first import ReadsFirst
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.cache.tree import TreeNode
 from hicache_ray.keys import ShardPlan
@@ -87,6 +88,7 @@ class BackupWorker(InboxWorker[BackupTask]):
     def __init__(self, storage: StorageBackend, plan: ShardPlan, host_pool: HostPool, batch: int):
         super().__init__("hicache-backup")
         self._storage, self._plan, self._pool = storage, plan, host_pool
+        self.turn = ReadsFirst(host_pool.num_pages)  # L3 reads go first
         written = sum(o.num_bytes for o in plan.objects if o.writer)
         self._batch = max(1, min(batch, BACKUP_CALL_BYTES // max(1, written)))
         self.open = threading.Event()  # cleared while the rank computes (see ``paused``)
@@ -106,7 +108,16 @@ class BackupWorker(InboxWorker[BackupTask]):
         task.failure = Failure.WRITE_FAILED
 
     def finished(self, task: BackupTask) -> None:
+        self.turn.backlog(-len(task.hashes))
         task.finished.set()
+
+    def _wait_turn(self) -> None:
+        """Before a store call: wait while the rank computes, then while its L3 queries
+        or reads run (:class:`ReadsFirst`), then for the forward pass again if it did."""
+        while True:
+            self.open.wait()
+            if not self.turn.turn():
+                return
 
     def _store(self, task: BackupTask) -> None:
         plan = self._plan
@@ -119,6 +130,7 @@ class BackupWorker(InboxWorker[BackupTask]):
         # One lookup for every page of the node (not only the leading ones): the put below
         # writes the absent pages without asking again, and present ones are never read
         # out of the pool.
+        self._wait_turn()
         flat = self._storage.exists_each([k for page in keys for k in page])
         n = len(writers)
         missing = [not all(flat[p * n : (p + 1) * n]) for p in range(len(keys))]
@@ -126,7 +138,7 @@ class BackupWorker(InboxWorker[BackupTask]):
             end = min(start + self._batch, len(keys))
             todo = [p for p in range(start, end) if missing[p]]
             if todo:
-                self.open.wait()
+                self._wait_turn()
                 if not self._put(task, todo, keys, writers):
                     return
             task.stored_pages = end
@@ -161,7 +173,13 @@ class BackupPipeline:
         self._closed = False
         self.worker.start()
 
+    @property
+    def turn(self) -> ReadsFirst:
+        """What the backup thread yields to (the prefetch pipeline reports its reads)."""
+        return self.worker.turn
+
     def submit(self, task: BackupTask) -> None:
+        self.worker.turn.backlog(len(task.hashes))
         self.worker.inbox.put(task)
 
     @contextlib.contextmanager
@@ -180,5 +198,6 @@ class BackupPipeline:
             return
         self._closed = True
         self.worker.open.set()
+        self.worker.turn.close()
         self.worker.inbox.put(None)
         self.worker.join()

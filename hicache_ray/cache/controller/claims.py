@@ -357,6 +357,8 @@ class Claims:
         if task is None:
             return []
         task.cancelled = True
+        if self._prefetch is not None:  # a read that runs on for nobody holds no backup
+            self._prefetch.give_up(task)
         keep = max(0, ready - task.read_start) if c.fetch_started else 0
         useful, rest = task.host_pages[:keep], task.host_pages[keep:]
         self._cache.host_pool.allocator.free(rest, fence=task)

@@ -14,8 +14,7 @@ admitted request and describes, each step, the claims its caller passes back (``
 every claim not taken or cancelled, in admission order). ``step`` makes exactly the
 collectives of :mod:`hicache_ray.cache.controller.protocol`, whatever this rank's local state.
 ``take`` and ``cancel`` change which requests the next step's vector describes, so every
-rank must call them for the same requests between the same steps (deciding from
-``runnable``, which is agreed, guarantees it).
+rank calls them for the same requests between the same steps (``runnable`` is agreed).
 
 Every prefix length the ranks act on (cached, stored, fetched) is an agreed MIN, so a
 rank whose storage misses pages, fails or is slow only shortens what everyone uses.
@@ -42,6 +41,7 @@ from hicache_ray.cache.controller.claims import Claims, PrefixClaim
 from hicache_ray.cache.controller.consensus import Consensus, ConsensusError, LocalConsensus
 from hicache_ray.cache.controller.prefetch import PrefetchPipeline
 from hicache_ray.cache.controller.protocol import Arrival, ArrivalLike, Header, StepCodec
+from hicache_ray.cache.controller.reads_first import BACKLOG_SHARE
 from hicache_ray.cache.events import CacheEvents
 from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.cache.hicache import HiCache
@@ -55,7 +55,6 @@ __all__ = ["ARRIVAL_QUERY_WAIT_S", "CacheController", "StepResult"]
 # a query that ends in time lets its request run in this step; a slow or dead store costs
 # this once per step, never more.
 ARRIVAL_QUERY_WAIT_S = 0.005
-BACKLOG_SHARE = 8  # backups behind by 1/8 of L2 run beside the forward (``computing``)
 
 
 @dataclass
@@ -129,8 +128,9 @@ class CacheController:
         if storage is not None and self.plan is not None:
             batch, host = config.storage.batch_size_pages, self.cache.host_pool
             threads = config.storage.read_threads
-            self.prefetch = PrefetchPipeline(storage, self.plan, host, batch, threads)
             self.backup = BackupPipeline(storage, self.plan, host, batch)
+            turn = self.backup.turn  # backups wait for this rank's L3 queries and reads
+            self.prefetch = PrefetchPipeline(storage, self.plan, host, batch, threads, turn)
         self.acks = Acknowledger(self.cache, self.backup, self.counters)
         self.claims = Claims(
             self.cache, config, self.prefetch, self.counters, self.note_failure, clock
@@ -342,9 +342,8 @@ class CacheController:
     def computing(self) -> Iterator[None]:
         """Around a forward pass: backups wait (between batches) until it ends, unless 1/8
         of L2 waits on them. NOTE: a backup holds its L2 pages until stored; under steady
-        load the rank computes nearly all the time, and backups paused for every forward
-        fill L2 with their pages: hits lose room (L3 reads fail for lack of slots, L1 -> L2
-        copies are skipped). ``backup_ran_beside_forward`` counts the passes they ran."""
+        load backups paused for every forward fill L2 with their pages, and hits lose room
+        (for L3 reads, L1 -> L2 copies). ``backup_ran_beside_forward`` counts such passes."""
         if self.backup is None:
             yield
             return
@@ -382,6 +381,7 @@ class CacheController:
         s.host_pages_prefetching = self.claims.prefetch_host_pages
         s.running_prefetches = self.claims.num_fetching
         s.pending_backups = self.acks.pending_backups
+        s.backup_waited_for_reads = self.backup.turn.waits if self.backup else 0
         return s
 
     def close(self) -> None:

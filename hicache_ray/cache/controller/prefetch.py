@@ -26,6 +26,7 @@ from hicache_ray.base.workers import InboxWorker
 from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
 from hicache_ray.cache.controller.reads import ReadWorker
+from hicache_ray.cache.controller.reads_first import ReadsFirst
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.keys import ShardPlan, page_hashes
 from hicache_ray.storage import StorageBackend
@@ -48,6 +49,7 @@ class QueryWorker(InboxWorker[FetchTask]):
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
         self.start_read: Callable[[FetchTask], None] = no_read  # PrefetchPipeline.submit_read
+        self.ended: Callable[[FetchTask], None] = no_end  # ReadsFirst.end
 
     def handle(self, task: FetchTask) -> None:
         task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
@@ -66,6 +68,8 @@ class QueryWorker(InboxWorker[FetchTask]):
             if task.read_end > task.read_start:
                 self.start_read(task)
         task.mark_queried()
+        if not task.read_started:  # else it counts until its read ends
+            self.ended(task)
         self.progress()
 
     def _leading(self, task: FetchTask) -> int:
@@ -93,9 +97,13 @@ class PrefetchPipeline:
         host_pool: HostPool,
         batch_pages: int,
         read_threads: int = 1,
+        turn: ReadsFirst | None = None,
     ) -> None:
+        """``turn``: told of every query and read, so that backups wait for them."""
         self.query = QueryWorker(storage, plan, host_pool.kv.page_size, batch_pages)
         self.read = ReadWorker(storage, plan, host_pool, batch_pages, read_threads)
+        self.turn = turn or ReadsFirst(host_pool.num_pages)
+        self.query.ended = self.read.ended = self.turn.end
         self.query.start_read = self.submit_read
         self._closed = False
         self.query.start()
@@ -107,6 +115,7 @@ class PrefetchPipeline:
         self.query.progress = self.read.progress = callback
 
     def submit_query(self, task: FetchTask) -> None:
+        self.turn.begin(task)
         self.query.inbox.put(task)
 
     def submit_read(self, task: FetchTask) -> None:
@@ -114,7 +123,12 @@ class PrefetchPipeline:
         scheduler thread, or from the query thread for an eager task)."""
         task.read_started = True
         task.read_started_at = time.perf_counter()
+        self.turn.begin(task)
         self.read.inbox.put(task)
+
+    def give_up(self, task: FetchTask) -> None:
+        """``task``'s request no longer waits for it (cancelled): it holds no backup."""
+        self.turn.end(task)
 
     def close(self) -> None:
         """Stop both threads after the work queued so far; safe to call twice."""
@@ -125,6 +139,10 @@ class PrefetchPipeline:
         self.query.join()  # first: the query thread hands eager tasks to the reader
         self.read.inbox.put(None)
         self.read.join()
+
+
+def no_end(task: FetchTask) -> None:
+    """The workers' ``ended`` until a pipeline wires its :class:`ReadsFirst`."""
 
 
 def no_read(task: FetchTask) -> None:

@@ -75,6 +75,7 @@ class ReadWorker(InboxWorker[FetchTask]):
             else None
         )
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
+        self.ended: Callable[[FetchTask], None] = _no_end  # ReadsFirst.end
 
     def run(self) -> None:
         try:
@@ -92,6 +93,7 @@ class ReadWorker(InboxWorker[FetchTask]):
 
     def finished(self, task: FetchTask) -> None:
         task.mark_read()
+        self.ended(task)
         self.progress()
 
     def _read(self, task: FetchTask) -> None:
@@ -163,6 +165,10 @@ class ReadWorker(InboxWorker[FetchTask]):
                 obj = self._plan.objects[i]
                 self._pool.write_object(page.slot, buf, obj.local_layers, obj.local_heads)
         return read
+
+
+def _no_end(task: FetchTask) -> None:
+    """``ReadWorker.ended`` until a pipeline wires its :class:`ReadsFirst`."""
 
 
 def leading(spans: Sequence[tuple[int, int]], counts: Sequence[int]) -> int:

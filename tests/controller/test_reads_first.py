@@ -1,0 +1,153 @@
+"""Backups wait while the rank's L3 queries and reads run, unless their backlog is large."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from hicache_ray.base.tokens import encode_tokens
+from hicache_ray.cache.controller.backup import BackupPipeline, BackupTask
+from hicache_ray.cache.controller.fetch_task import FetchTask
+from hicache_ray.cache.controller.prefetch import PrefetchPipeline
+from hicache_ray.cache.controller.reads_first import ReadsFirst
+from hicache_ray.cache.memory import HostPool
+from hicache_ray.cache.tree import TreeNode
+from hicache_ray.keys import page_hashes, plan_shard
+from hicache_ray.storage import MemoryObjects
+from hicache_ray.storage.objects import ReadOutcome
+from hicache_ray.storage.page_format import ReadOut
+from hicache_ray.storage.paged import PagedBackend
+from tests.conftest import make_kv
+from tests.controller.helpers import PAGE, controller_config, make_controller, prompt, stored
+
+KV = make_kv(page_size=PAGE)
+WAIT_S = 30.0  # bounds every wait on another thread (never reached when the code is right)
+
+
+class _GatedReads(MemoryObjects):
+    """A memory store whose reads wait until ``gate`` is set; counts its writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.reading = threading.Event()
+        self.writes = 0
+
+    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+        self.reading.set()
+        assert self.gate.wait(WAIT_S), "the test never opened the gate"
+        return super().read_many(keys, outs)
+
+    def write_many(self, keys, headers, payloads):  # type: ignore[no-untyped-def]
+        self.writes += 1
+        return super().write_many(keys, headers, payloads)
+
+
+def _waited(turn: ReadsFirst, waits: int) -> bool:
+    """Wait until ``turn`` has held a backup ``waits`` times."""
+    with turn._cond:
+        return turn._cond.wait_for(lambda: turn.waits >= waits, WAIT_S)
+
+
+Pipelines = tuple[_GatedReads, HostPool, BackupPipeline, PrefetchPipeline]
+
+
+@pytest.fixture
+def pipelines(request: pytest.FixtureRequest) -> Iterator[Pipelines]:
+    host_pages = getattr(request, "param", 64)
+    objects = _GatedReads()
+    stored(objects, prompt(1, 32))  # 8 pages in L3 for the prefetch to read
+    objects.writes = 0
+    plan = plan_shard(KV, controller_config())
+    backend = PagedBackend("memory", objects, plan, scan_on_start=False)
+    pool = HostPool(KV, host_pages, "page_first")
+    backup = BackupPipeline(backend, plan, pool, 4)
+    prefetch = PrefetchPipeline(backend, plan, pool, 4, 1, backup.turn)
+    try:
+        yield objects, pool, backup, prefetch
+    finally:
+        objects.gate.set()
+        prefetch.close()
+        backup.close()
+
+
+def _read_l3(prefetch: PrefetchPipeline, pool: HostPool, objects: _GatedReads) -> FetchTask:
+    """Start an eager prefetch of the 8 stored pages; return once its read waits on the
+    store."""
+    task = FetchTask(encode_tokens(prompt(1, 32)), 8, 0, "")
+    slots = pool.allocator.allocate(8)
+    assert slots is not None
+    task.host_pages, task.read_end, task.eager = slots, 8, True
+    prefetch.submit_query(task)
+    assert objects.reading.wait(WAIT_S)
+    return task
+
+
+def _backup(pool: HostPool, pages: int) -> BackupTask:
+    slots = pool.allocator.allocate(pages)
+    assert slots is not None
+    hashes = page_hashes(prompt(2, pages * PAGE), PAGE)
+    return BackupTask(TreeNode(1, b"", None), hashes, slots, None)
+
+
+def test_a_backup_waits_until_the_reads_of_an_l3_hit_end(pipelines: Pipelines) -> None:
+    objects, pool, backup, prefetch = pipelines
+    task = _read_l3(prefetch, pool, objects)
+    job = _backup(pool, 2)
+    backup.submit(job)
+    assert _waited(backup.turn, 1)  # held before its first store call
+    assert objects.writes == 0 and not job.done
+    objects.gate.set()  # the hit's read ends: the backup goes on
+    assert task.read_finished.wait(WAIT_S) and task.pages_read == 8
+    assert job.finished.wait(WAIT_S) and job.ok and job.stored_pages == 2
+    assert objects.writes == 1 and backup.turn.waits == 1
+
+
+def test_a_read_its_request_gave_up_holds_no_backup(pipelines: Pipelines) -> None:
+    objects, pool, backup, prefetch = pipelines
+    task = _read_l3(prefetch, pool, objects)
+    job = _backup(pool, 2)
+    backup.submit(job)
+    assert _waited(backup.turn, 1)
+    task.cancelled = True  # as the claims do when the request is taken or cancelled
+    prefetch.give_up(task)
+    assert job.finished.wait(WAIT_S) and job.ok
+    assert not objects.gate.is_set()  # while the read still waits on the store
+
+
+@pytest.mark.parametrize("pipelines", [16], indirect=True)
+def test_a_backlog_of_an_eighth_of_l2_does_not_wait(pipelines: Pipelines) -> None:
+    objects, pool, backup, prefetch = pipelines
+    _read_l3(prefetch, pool, objects)
+    job = _backup(pool, 2)  # 2 of 16 L2 pages: 1/8 of L2 waits on backups
+    backup.submit(job)
+    assert job.finished.wait(WAIT_S) and job.ok  # while the read still waits on the store
+    assert not objects.gate.is_set() and backup.turn.waits == 0
+
+
+def test_no_read_in_flight_holds_nothing_and_closing_lets_a_held_backup_go() -> None:
+    turn = ReadsFirst(host_pages=64)
+    assert turn.turn() is False  # nothing read: no wait
+    turn.begin(task := object())
+    turn.begin(task)  # a task counts once
+    assert turn.reading == 1
+    went = threading.Event()
+    held = threading.Thread(target=lambda: went.set() if turn.turn() else None)
+    held.start()
+    assert _waited(turn, 1)
+    turn.close()
+    held.join(WAIT_S)
+    assert went.is_set() and not held.is_alive()
+
+
+def test_the_controller_shares_one_turn_and_reports_its_waits() -> None:
+    ctl = make_controller(controller_config(), KV, MemoryObjects())
+    try:
+        assert ctl.backup is not None and ctl.prefetch is not None
+        assert ctl.prefetch.turn is ctl.backup.turn  # the reads it counts hold the backups
+        ctl.backup.turn.waits = 3
+        assert ctl.stats().backup_waited_for_reads == 3
+    finally:
+        ctl.close()
