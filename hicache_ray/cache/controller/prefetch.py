@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from hicache_ray.base.workers import InboxWorker
 from hicache_ray.cache.controller.failure import Failure
-from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
+from hicache_ray.cache.controller.fetch_task import FetchTask, no_end, no_progress
 from hicache_ray.cache.controller.reads import ReadWorker
 from hicache_ray.cache.controller.reads_first import ReadsFirst
 from hicache_ray.cache.memory import HostPool
@@ -96,13 +96,13 @@ class PrefetchPipeline:
         plan: ShardPlan,
         host_pool: HostPool,
         batch_pages: int,
-        read_threads: int = 1,
-        turn: ReadsFirst | None = None,
+        read_threads: int,
+        turn: ReadsFirst,
     ) -> None:
         """``turn``: told of every query and read, so that backups wait for them."""
         self.query = QueryWorker(storage, plan, host_pool.kv.page_size, batch_pages)
         self.read = ReadWorker(storage, plan, host_pool, batch_pages, read_threads)
-        self.turn = turn or ReadsFirst(host_pool.num_pages)
+        self.turn = turn
         self.query.ended = self.read.ended = self.turn.end
         self.query.start_read = self.submit_read
         self._closed = False
@@ -139,10 +139,6 @@ class PrefetchPipeline:
         self.query.join()  # first: the query thread hands eager tasks to the reader
         self.read.inbox.put(None)
         self.read.join()
-
-
-def no_end(task: FetchTask) -> None:
-    """The workers' ``ended`` until a pipeline wires its :class:`ReadsFirst`."""
 
 
 def no_read(task: FetchTask) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from hicache_ray.base.workers import InboxWorker
 from hicache_ray.cache.controller.failure import Failure
-from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
+from hicache_ray.cache.controller.fetch_task import FetchTask, no_end, no_progress
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend
@@ -75,7 +75,7 @@ class ReadWorker(InboxWorker[FetchTask]):
             else None
         )
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
-        self.ended: Callable[[FetchTask], None] = _no_end  # ReadsFirst.end
+        self.ended: Callable[[FetchTask], None] = no_end  # ReadsFirst.end
 
     def run(self) -> None:
         try:
@@ -165,10 +165,6 @@ class ReadWorker(InboxWorker[FetchTask]):
                 obj = self._plan.objects[i]
                 self._pool.write_object(page.slot, buf, obj.local_layers, obj.local_heads)
         return read
-
-
-def _no_end(task: FetchTask) -> None:
-    """``ReadWorker.ended`` until a pipeline wires its :class:`ReadsFirst`."""
 
 
 def leading(spans: Sequence[tuple[int, int]], counts: Sequence[int]) -> int:
