@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -181,9 +180,9 @@ class HiCacheLLMServer(LLMServer):
 
     async def __init__(self, llm_config: Any, **kwargs: Any) -> None:  # type: ignore[misc]
         replica = serve.get_replica_context().replica_id.unique_id
-        self._events_dir = tempfile.mkdtemp(prefix="hicache-vllm-events-")
-        endpoint = f"ipc://{self._events_dir}/pub"
-        replay = f"ipc://{self._events_dir}/replay"
+        # Linux's abstract socket names: nothing on disk that a killed replica leaves behind
+        name = f"hicache-vllm-events-{uuid.uuid4().hex}"
+        endpoint, replay = f"ipc://@{name}-pub", f"ipc://@{name}-replay"
         # this replica's copy of the config (the engine config it caches included)
         llm_config.update_engine_kwargs(
             kv_events_config={
@@ -211,7 +210,6 @@ class HiCacheLLMServer(LLMServer):
         if feed is not None:
             feed.stop()
         await super().__del__()
-        shutil.rmtree(getattr(self, "_events_dir", ""), ignore_errors=True)
 
 
 class VllmCacheRouter(CacheAwareRouter):

@@ -1,4 +1,5 @@
-"""Backups wait while the rank's L3 queries and reads run, unless their backlog is large."""
+"""Backups wait while an L3 hit is being read (until every rank has read it), unless their
+backlog is large."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from hicache_ray.base.tokens import encode_tokens
+from hicache_ray.cache.controller import Arrival
 from hicache_ray.cache.controller.backup import BackupPipeline, BackupTask
 from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.cache.controller.prefetch import PrefetchPipeline
@@ -92,17 +94,41 @@ def _backup(pool: HostPool, pages: int) -> BackupTask:
     return BackupTask(TreeNode(1, b"", None), hashes, slots, None)
 
 
-def test_a_backup_waits_until_the_reads_of_an_l3_hit_end(pipelines: Pipelines) -> None:
+def test_a_backup_waits_until_every_rank_has_read_an_l3_hit(pipelines: Pipelines) -> None:
     objects, pool, backup, prefetch = pipelines
     task = _read_l3(prefetch, pool, objects)
     job = _backup(pool, 2)
     backup.submit(job)
     assert _waited(backup.turn, 1)  # held before its first store call
     assert objects.writes == 0 and not job.done
-    objects.gate.set()  # the hit's read ends: the backup goes on
+    objects.gate.set()  # this rank's read ends ...
     assert task.read_finished.wait(WAIT_S) and task.pages_read == 8
+    assert backup.turn.reading == 1  # ... but its peers may still be reading
+    prefetch.give_up(task)  # as the claims do once every rank's reads are agreed done
     assert job.finished.wait(WAIT_S) and job.ok and job.stored_pages == 2
     assert objects.writes == 1 and backup.turn.waits == 1
+
+
+def test_the_step_that_agrees_the_reads_are_done_frees_the_backups() -> None:
+    objects = _GatedReads()
+    tokens = prompt(3, 40)
+    stored(objects, tokens)
+    ctl = make_controller(controller_config(), KV, objects)
+    try:
+        assert ctl.prefetch is not None
+        turn = ctl.prefetch.turn
+        ctl.step([Arrival("r", [*tokens, 1])])
+        task = ctl.known["r"].task
+        assert task is not None and objects.reading.wait(WAIT_S)
+        objects.gate.set()
+        assert task.read_finished.wait(WAIT_S)
+        assert turn.reading == 1  # read here; no step has agreed on it yet
+        while "r" not in ctl.step().runnable:
+            ctl.settle(timeout=WAIT_S)
+        assert turn.reading == 0  # free before the request is even taken
+        ctl.cancel("r")
+    finally:
+        ctl.close()
 
 
 def test_a_read_its_request_gave_up_holds_no_backup(pipelines: Pipelines) -> None:

@@ -201,8 +201,12 @@ class Claims:
         for i, c in enumerate(claims):
             c.agreed = Facts(*agreed[i * FACTS : (i + 1) * FACTS])
             c.agreed_on_arrival = on_arrival
-            if c.agreed.total >= 0 and c.task is not None and not c.fetch_started:
+            if c.task is None:
+                continue
+            if c.agreed.total >= 0 and not c.fetch_started:
                 self._start_fetch(c, c.agreed.total)
+            if c.agreed.finished and self._prefetch is not None:
+                self._prefetch.give_up(c.task)  # every rank's reads are done
 
     # ------------------------------------------------------------ admission
 

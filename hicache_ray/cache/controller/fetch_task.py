@@ -8,7 +8,7 @@ import time
 
 from hicache_ray.cache.controller.failure import Failure
 
-__all__ = ["FetchTask", "no_end", "no_progress"]
+__all__ = ["FetchTask", "no_progress"]
 
 
 class FetchTask:
@@ -60,7 +60,3 @@ class FetchTask:
 
 def no_progress() -> None:
     """The workers' progress callback until a step loop sets one (``on_progress``)."""
-
-
-def no_end(task: FetchTask) -> None:
-    """The workers' ``ended`` callback until a pipeline wires its ``ReadsFirst``."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from hicache_ray.base.workers import InboxWorker
 from hicache_ray.cache.controller.failure import Failure
-from hicache_ray.cache.controller.fetch_task import FetchTask, no_end, no_progress
+from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
 from hicache_ray.cache.controller.reads import ReadWorker
 from hicache_ray.cache.controller.reads_first import ReadsFirst
 from hicache_ray.cache.memory import HostPool
@@ -49,7 +49,6 @@ class QueryWorker(InboxWorker[FetchTask]):
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
         self.start_read: Callable[[FetchTask], None] = no_read  # PrefetchPipeline.submit_read
-        self.ended: Callable[[FetchTask], None] = no_end  # ReadsFirst.end
 
     def handle(self, task: FetchTask) -> None:
         task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
@@ -68,8 +67,6 @@ class QueryWorker(InboxWorker[FetchTask]):
             if task.read_end > task.read_start:
                 self.start_read(task)
         task.mark_queried()
-        if not task.read_started:  # else it counts until its read ends
-            self.ended(task)
         self.progress()
 
     def _leading(self, task: FetchTask) -> int:
@@ -103,7 +100,6 @@ class PrefetchPipeline:
         self.query = QueryWorker(storage, plan, host_pool.kv.page_size, batch_pages)
         self.read = ReadWorker(storage, plan, host_pool, batch_pages, read_threads)
         self.turn = turn
-        self.query.ended = self.read.ended = self.turn.end
         self.query.start_read = self.submit_read
         self._closed = False
         self.query.start()
@@ -127,7 +123,9 @@ class PrefetchPipeline:
         self.read.inbox.put(task)
 
     def give_up(self, task: FetchTask) -> None:
-        """``task``'s request no longer waits for it (cancelled): it holds no backup."""
+        """``task`` holds backups no longer: every rank's reads of it are done (a rank's
+        own end does not release it: its backups would take the cores and the store from
+        the peers still reading), or its request no longer waits for it."""
         self.turn.end(task)
 
     def close(self) -> None:

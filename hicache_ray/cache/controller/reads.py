@@ -19,7 +19,7 @@ import torch
 
 from hicache_ray.base.workers import InboxWorker
 from hicache_ray.cache.controller.failure import Failure
-from hicache_ray.cache.controller.fetch_task import FetchTask, no_end, no_progress
+from hicache_ray.cache.controller.fetch_task import FetchTask, no_progress
 from hicache_ray.cache.memory import HostPool
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend
@@ -75,7 +75,6 @@ class ReadWorker(InboxWorker[FetchTask]):
             else None
         )
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
-        self.ended: Callable[[FetchTask], None] = no_end  # ReadsFirst.end
 
     def run(self) -> None:
         try:
@@ -93,7 +92,6 @@ class ReadWorker(InboxWorker[FetchTask]):
 
     def finished(self, task: FetchTask) -> None:
         task.mark_read()
-        self.ended(task)
         self.progress()
 
     def _read(self, task: FetchTask) -> None:

@@ -1,11 +1,14 @@
-"""L3 reads before L3 writes on one rank: backups wait while its queries and reads run.
+"""L3 reads before L3 writes: a rank's backups wait while an L3 hit is being read.
 
 An L3 hit's query and reads are on a request's critical path; a backup is not. Both use
 the same cores, the same store shards and, on the ray store, the same object store: on a
 fresh TP=2 deployment a 4,096-token L3 hit that arrived while the previous request's pages
 were being backed up waited 84 ms for its pages (median of 4), against 56 ms when the
 backup had ended first. So the backup thread asks :class:`ReadsFirst` for its turn before
-each store call, and waits while any query or read of this rank is in flight.
+each store call, and waits while any prefetch task is in flight: from its query until the
+step that agrees every rank's reads of it are done (a rank done early would take the cores
+and the store from the peers still reading; on a TP=2 hit the last rank's read ended 5-11
+ms after the first's), or until its request gives it up.
 
 Backups still keep up: once their backlog holds ``1/BACKLOG_SHARE`` of L2 (pages they
 lock until stored, which hits then lack) they stop yielding, as they stop pausing for
@@ -22,11 +25,11 @@ BACKLOG_SHARE = 8  # backups behind by 1/8 of L2 yield to nothing (reads, forwar
 
 
 class ReadsFirst:
-    """The prefetch tasks whose query or read runs on this rank; backups wait for none.
+    """The prefetch tasks in flight on this rank; backups wait for none.
 
-    A task counts from its query's submission to the end of its read (or of its query,
-    when it reads nothing), or until its request gives it up (``end`` on cancel): a read
-    that runs on for nobody holds no backup.
+    A task counts from its query's submission until every rank's reads of it are agreed
+    done, or until its request gives it up (``end``, from the claims): a read that runs on
+    for nobody holds no backup.
 
     Args:
         host_pages: L2's size in pages (the backlog past which backups stop yielding).
