@@ -12,7 +12,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayError
 
-from hicache_ray.storage.objects import ReadOutcome
+from hicache_ray.storage.objects import PageCheck, ReadOutcome
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
     CorruptPage,
@@ -53,11 +53,20 @@ def object_items(
 
 
 def copy_items(
-    todo: list[tuple[int, list[Any], int, ReadOut]], into: dict[int, ReadOutcome]
+    todo: list[tuple[int, list[Any], int, ReadOut]],
+    into: dict[int, ReadOutcome],
+    check: PageCheck | None = None,
 ) -> None:
-    """On a copy thread: each page's outcome into ``into`` (a dict: one writer per key)."""
+    """On a copy thread: each page's outcome into ``into`` (a dict: one writer per key),
+    verified by ``check`` right after its copy (:meth:`ObjectStore.read_many`)."""
     for i, obj, item, out in todo:
-        into[i] = copy_item(obj, item, out)
+        outcome = copy_item(obj, item, out)
+        if check is not None and isinstance(outcome, tuple) and outcome[1] is not None:
+            try:
+                check(i, outcome[0], outcome[1])
+            except CorruptPage as exc:
+                outcome = exc
+        into[i] = outcome
 
 
 def copy_item(obj: list[Any], item: int, out: ReadOut) -> ReadOutcome:

@@ -47,7 +47,7 @@ from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.base.workers import started_pool
 from hicache_ray.keys import ShardPlan
 from hicache_ray.storage import StorageBackend
-from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
+from hicache_ray.storage.objects import ObjectStore, PageCheck, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import (
     ReadOut,
 )
@@ -218,11 +218,12 @@ class RayObjects(ObjectStore):
                 return errors[: i + 1]
         return errors
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
-        # NOTE: each shard's pages are fetched and copied as soon as its answer arrives,
-        # while the other shards' answers are still on their way, in one job per copy
-        # thread (a future per page cost more than its copy). Copies may so run past a key
-        # that turns out absent; every copy is waited for before returning.
+    def read_many(
+        self, keys: Sequence[str], outs: Sequence[ReadOut], check: PageCheck | None = None
+    ) -> list[ReadOutcome]:
+        # NOTE: each shard's pages are fetched and copied (and checked) as soon as its
+        # answer arrives, in one job per copy thread (a future per page cost more than its
+        # copy). Copies may so run past an absent key; all are waited for before returning.
         self._ready_or_miss()
         n = len(keys)
         where: list[Any] = [None] * n  # True (copying), None (absent), or the failure
@@ -254,7 +255,7 @@ class RayObjects(ObjectStore):
                 for part in range(_COPY_THREADS):
                     share = todo[part::_COPY_THREADS]
                     if share:
-                        jobs.append(self._copiers.submit(copy_items, share, copied))
+                        jobs.append(self._copiers.submit(copy_items, share, copied, check))
             for job in jobs:
                 job.result()
             outcomes: list[ReadOutcome] = []

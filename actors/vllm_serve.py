@@ -61,8 +61,11 @@ INDEX_KEY = "hicache_index"  # experimental_configs: the application's index nam
 ROUTERS = ("cache", "prefix", "pow2")
 
 
-def _connector_options(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _connector_options(engine_kwargs: dict[str, Any], *, shared: bool = True) -> dict[str, Any]:
+    """The connector's options (``shared``: it must be there; else {} without it)."""
     transfer = engine_kwargs.get("kv_transfer_config")
+    if transfer is None and not shared:
+        return {}
     if not isinstance(transfer, dict) or transfer.get("kv_connector") != "HiCacheRayConnector":
         raise ConfigError(
             "engine_kwargs.kv_transfer_config",
@@ -76,12 +79,18 @@ def _connector_options(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def vllm_cluster_config(
-    llm_config: Any, app: str, router: str = "cache", weights: dict[str, float] | None = None
+    llm_config: Any,
+    app: str,
+    router: str = "cache",
+    weights: dict[str, float] | None = None,
+    *,
+    shared: bool = True,
 ) -> Any:
     """``llm_config`` (Ray LLM's ``LLMConfig`` of a vLLM model whose ``engine_kwargs`` set
     ``block_size`` and the connector) as replicas of the cache cluster ``app``, routed
     by ``router``; ``weights``: the cache router's (:meth:`CacheAwareRouter.
-    initialize_state`)."""
+    initialize_state`). ``shared`` False: replicas without the connector may be given
+    (a baseline with no L3, each replica's own prefix cache only; ``bench trace``)."""
     if router not in ROUTERS:
         raise ConfigError("router", router, "unknown router", f"use one of {', '.join(ROUTERS)}")
     kwargs = dict(llm_config.engine_kwargs)
@@ -97,7 +106,7 @@ def vllm_cluster_config(
             "the cluster sets it per replica (its own ZeroMQ sockets)",
             "leave it out",
         )
-    salt = str(_connector_options(kwargs).get("tenant_salt", ""))
+    salt = str(_connector_options(kwargs, shared=shared).get("tenant_salt", ""))
     deployment = dict(llm_config.deployment_config)
     if router != "pow2":
         options: dict[str, Any] = {"request_router_class": PREFIX_ROUTER}
@@ -193,7 +202,8 @@ class HiCacheLLMServer(LLMServer):
             }
         )
         engine_kwargs = llm_config.engine_kwargs
-        salt = str(_connector_options(engine_kwargs).get("tenant_salt", ""))
+        # checked by vllm_cluster_config (a baseline cluster runs without the connector)
+        salt = str(_connector_options(engine_kwargs, shared=False).get("tenant_salt", ""))
         self._journal = VllmJournal(int(engine_kwargs["block_size"]), salt)
         self._feed = VllmEventFeed(self._journal, endpoint, replay)
         self._feed.start()  # it connects before the engine binds: nothing is missed

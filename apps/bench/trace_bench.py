@@ -5,7 +5,8 @@ Each mode (``none``: no prefix reuse; ``l1_l2``: no L3; ``l1_l2_l3``: the ray st
 fresh app (one deployment, or ``replicas`` engine replicas behind ``router``) and the same
 requests. Then, unless turned off, the overload run: the same requests open loop at 1.5x
 the requests/s the ``none`` run reached, every mode again. A sample of answers is checked
-greedy-exact against a no-cache recompute.
+greedy-exact against a no-cache recompute. ``engine="vllm"``: the replicas are vLLM engines
+(:mod:`apps.bench.vllm_apps`), checked against a plain vLLM engine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 from apps.bench.serve_http_bench import free_port
 from apps.bench.trace_clients import SERVED, Outcome, replay
@@ -57,13 +59,8 @@ def sized(opts: TraceOptions, requests: list[ScaledRequest]) -> tuple[TraceOptio
     return replace(opts, device_tokens=device), line
 
 
-@contextmanager
-def _app(opts: TraceOptions, mode: str, store: str) -> Iterator[str]:
-    """A fresh app for ``mode`` on 127.0.0.1; yields its base URL."""
-    from ray import serve
-
+def _hicache_app(opts: TraceOptions, mode: str, store: str) -> Any:
     from actors.openai_app import serve_app
-    from actors.stores import drop_store
     from apps.multiturn.driver import mode_cache
     from apps.multiturn.options import ExperimentOptions
     from hicache_ray.base.config import PrefetchConfig
@@ -80,10 +77,45 @@ def _app(opts: TraceOptions, mode: str, store: str) -> Iterator[str]:
     )
     cache, reuse = mode_cache(mode, exp.cache())
     config = exp.deployment(f"trace-{mode.replace('_', '-')}", cache, reuse_prefix=reuse)
+    return serve_app(config, SERVED, False, opts.replicas, opts.router)
+
+
+def _vllm_app(opts: TraceOptions, mode: str, store: str) -> Any:
+    from apps.bench.vllm_apps import vllm_app
+
+    return vllm_app(
+        opts.model,
+        SERVED,
+        mode,
+        replicas=opts.replicas,
+        router=opts.router,
+        page_size=opts.page_size,
+        device_tokens=opts.device_tokens,
+        max_len=_max_len(opts),
+        store=store,
+    )
+
+
+def _max_len(opts: TraceOptions) -> int:
+    """The longest request vLLM admits: the model's, within one replica's KV cache (vLLM
+    refuses to start with less room; the sizing rule fits two of the longest request)."""
+    from hicache_ray.engine.model.checkpoint import resolve_model
+
+    longest = resolve_model(opts.model).max_context
+    return min(longest, opts.device_tokens) if longest else opts.device_tokens
+
+
+@contextmanager
+def _app(opts: TraceOptions, mode: str, store: str) -> Iterator[str]:
+    """A fresh app for ``mode`` on 127.0.0.1; yields its base URL."""
+    from ray import serve
+
+    from actors.stores import drop_store
+
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        app = serve_app(config, SERVED, False, opts.replicas, opts.router)
+        app = (_vllm_app if opts.engine == "vllm" else _hicache_app)(opts, mode, store)
         serve.run(app, name="bench-trace", route_prefix="/")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
@@ -97,7 +129,8 @@ def _run(
 ) -> tuple[list[Outcome], float]:
     store = f"trace-{os.getpid()}-{tag}"
     with _app(opts, mode, store) as url:
-        return asyncio.run(replay(url, requests, opts.clients, scale_, f"{tag} {mode}"))
+        label, vllm = f"{tag} {mode}", opts.engine == "vllm"
+        return asyncio.run(replay(url, requests, opts.clients, scale_, label, vllm))
 
 
 def _ideal(opts: TraceOptions, requests: list[ScaledRequest]) -> Ideal:
@@ -132,12 +165,17 @@ def _series(
 def run_trace_bench(opts: TraceOptions, log: Callable[[str], None] = print) -> list[Figure]:
     """Every mode, then the overload run; the figures of ``trace.*``."""
     from apps.experiments import embedded_ray
-    from hicache_ray.engine.model import preset
+    from hicache_ray.engine.model.checkpoint import resolve_model
 
     for flag_, value in (("--time-scale", opts.time_scale), ("--slo-ttft-ms", opts.slo_ttft_ms)):
         if value < 0:
             raise ConfigError(flag_, value, "must be >= 0", "0 picks the default")
-    model = preset(opts.model)
+    model = resolve_model(opts.model)
+    if opts.engine == "vllm":
+        from apps.bench.vllm_apps import VLLM_PAGE, check_vllm_model
+
+        opts = replace(opts, page_size=VLLM_PAGE)
+        check_vllm_model(opts.model, opts.page_size)
     trace = load_trace(opts.trace or DEFAULT_TRACE, opts.limit)
     requests = scale(trace, opts.block, model.vocab_size, opts.seed)
     opts, rule = sized(opts, requests)
@@ -158,7 +196,7 @@ def run_trace_bench(opts: TraceOptions, log: Callable[[str], None] = print) -> l
         for mode, (outcomes, wall) in runs.items():
             found += mode_figures(f"trace.{mode}", outcomes, wall, ideal, slo)
         found += speedups("trace", runs)
-        found += wrong_outputs(model, requests, runs, opts.check, log)
+        found += wrong_outputs(_answers(opts, model), requests, runs, opts.check, log)
         if opts.overload and "none" in runs:
             outcomes, wall = runs["none"]
             rate = OVERLOAD * sum(not o.failed for o in outcomes) / wall
@@ -170,6 +208,20 @@ def run_trace_bench(opts: TraceOptions, log: Callable[[str], None] = print) -> l
                 found += mode_figures(f"trace.overload.{mode}", outcomes, wall, ideal, slo)
             found.append(figure("trace.overload.offered_per_s", rate, "req/s"))
     return found
+
+
+def _answers(opts: TraceOptions, model: Any) -> Callable[[list[ScaledRequest]], list[list[int]]]:
+    """What a no-cache recompute answers: the reference model's, or a plain vLLM engine's."""
+    if opts.engine == "vllm":
+        from apps.bench.vllm_apps import vllm_recompute
+
+        max_len = _max_len(opts)
+        return lambda picked: vllm_recompute(
+            opts.model, [r.prompt for r in picked], [r.max_tokens for r in picked], max_len
+        )
+    from hicache_ray.engine.reference import recompute
+
+    return lambda picked: [recompute(model, r.prompt, r.max_tokens) for r in picked]
 
 
 def _default_slo(runs: dict[str, tuple[list[Outcome], float]], log: Callable[[str], None]) -> float:

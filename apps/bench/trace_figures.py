@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from apps.bench.trace_clients import TIERS, Outcome
 from apps.bench.trace_data import ScaledRequest
@@ -77,18 +76,20 @@ def speedups(prefix: str, runs: Runs) -> list[Figure]:
 
 
 def wrong_outputs(
-    model: Any, requests: list[ScaledRequest], runs: Runs, check: int, log: Callable[[str], None]
+    answers: Callable[[list[ScaledRequest]], list[list[int]]],
+    requests: list[ScaledRequest],
+    runs: Runs,
+    check: int,
+    log: Callable[[str], None],
 ) -> list[Figure]:
     """``trace.wrong_outputs``: answers of ``check`` evenly spaced requests, in every mode,
-    that differ from a no-cache recompute (a failed request is not judged)."""
+    that differ from what ``answers`` (a no-cache recompute) gives them (a failed request
+    is not judged)."""
     if not check:
         return []
-    from hicache_ray.engine.reference import recompute
-
     picked = sorted({round(i * (len(requests) - 1) / max(1, check - 1)) for i in range(check)})
     wrong = judged = 0
-    for i in picked:
-        want = recompute(model, requests[i].prompt, requests[i].max_tokens)
+    for i, want in zip(picked, answers([requests[i] for i in picked]), strict=True):
         for outcomes, _ in runs.values():
             if not outcomes[i].failed:
                 judged += 1

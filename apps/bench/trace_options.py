@@ -15,9 +15,10 @@ from apps.cli_args import (
 )
 from hicache_ray.serving.serve_options import ROUTERS
 
-__all__ = ["TRACE_MODES", "TraceOptions"]
+__all__ = ["ENGINES", "TRACE_MODES", "TraceOptions"]
 
 TRACE_MODES = ("none", "l1_l2", "l1_l2_l3")
+ENGINES = ("hicache", "vllm")
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,20 @@ class TraceOptions:
     )
     tp_size: int = field(default=1, metadata=flag("tp", "TP size per replica", type=positive_int))
     pp_size: int = field(default=1, metadata=flag("pp", "PP size per replica", type=positive_int))
+    engine: str = field(
+        default="hicache",
+        metadata=flag(
+            "engine", "hicache (this library's) or vllm (vLLM replicas, docs/vllm.md)",
+            choices=ENGINES,
+        ),
+    )  # fmt: skip
     model: str = field(
-        default="bench", metadata=flag("model", "reference model preset", choices=MODEL_PRESETS)
+        default="bench",
+        metadata=flag(
+            "model",
+            f"a reference model preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face "
+            "checkpoint directory (--engine vllm: a checkpoint)",
+        ),
     )
     page_size: int = 16
     device_tokens: int = field(

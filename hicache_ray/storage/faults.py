@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from hicache_ray.base.storage_config import Fault
-from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome
+from hicache_ray.storage.objects import ObjectStore, PageCheck, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import ReadOut, flip_byte
 
 __all__ = ["FaultyObjects", "InjectedFault"]
@@ -82,7 +82,10 @@ class FaultyObjects(ObjectStore):
             out.append(self._failure("size"))
         return out
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+    def read_many(
+        self, keys: Sequence[str], outs: Sequence[ReadOut], check: PageCheck | None = None
+    ) -> list[ReadOutcome]:
+        del check  # the pages change after the inner read: the caller verifies them all
         kinds, fail_at = self._plan("read", len(keys))
         found = list(self.inner.read_many(keys[:fail_at], outs[:fail_at])) if fail_at else []
         for i, outcome in enumerate(found):

@@ -28,7 +28,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from hicache_ray.storage.objects import ObjectStore, ReadOutcome, SizeOutcome, split_object
+from hicache_ray.storage.objects import (
+    ObjectStore,
+    PageCheck,
+    ReadOutcome,
+    SizeOutcome,
+    split_object,
+)
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
     CorruptPage,
@@ -92,7 +98,9 @@ class FileObjects(ObjectStore):
                 break
         return out
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+    def read_many(
+        self, keys: Sequence[str], outs: Sequence[ReadOut], check: PageCheck | None = None
+    ) -> list[ReadOutcome]:
         jobs = iter(zip(keys, outs, strict=True))
         running: deque[Future[ReadOutcome]] = deque()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from hicache_ray.storage.page_format import (
     PREFIX_BYTES,
@@ -26,13 +26,23 @@ from hicache_ray.storage.page_format import (
     header_length,
 )
 
-__all__ = ["MemoryObjects", "ObjectStore", "ReadOutcome", "SizeOutcome", "split_object"]
+__all__ = [
+    "MemoryObjects",
+    "ObjectStore",
+    "PageCheck",
+    "ReadOutcome",
+    "SizeOutcome",
+    "split_object",
+]
 
 # One object's read: (header bytes, checksum of the payload as read, or None for "not
 # hashed: hash the buffer"), the error that ended the batch there, or None when absent.
 ReadOutcome = tuple[bytes, str | None] | Exception | None
 # One key's lookup: stored bytes, None when absent, or the error that ended the batch there.
 SizeOutcome = int | Exception | None
+# Verifies the page a read copied (its index in the batch, header bytes, payload checksum as
+# copied); raises CorruptPage (see ObjectStore.read_many).
+PageCheck = Callable[[int, bytes, str], None]
 
 
 class ObjectStore(ABC):
@@ -56,13 +66,22 @@ class ObjectStore(ABC):
         and with ``leading`` (what ``exists`` needs) after the first absent one too."""
 
     @abstractmethod
-    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+    def read_many(
+        self, keys: Sequence[str], outs: Sequence[ReadOut], check: PageCheck | None = None
+    ) -> list[ReadOutcome]:
         """Read the leading objects, each payload into its ``out`` (contiguous bytes, or a
         :class:`StridedOut`: the payload's place in a buffer laid out otherwise); stops
         after the first key that is absent or fails. A payload not exactly ``out.nbytes``
         long, or a malformed frame, is a :class:`CorruptPage` in its place. Returns once
         nothing touches ``outs`` any more; ``outs`` past the returned outcomes may hold
-        bytes read ahead (unverified: :class:`PagedBackend` zero-fills them)."""
+        bytes read ahead (unverified: :class:`PagedBackend` zero-fills them).
+
+        ``check``: a store that copies on threads of its own (``reads_in_parallel``) may
+        call it on the copying thread for each page it copied and hashed, so that one
+        page's verification overlaps the other pages' copies; a page it raises
+        :class:`CorruptPage` for is that error in its place. The caller verifies the pages
+        it was not called for. A store that changes bytes after an inner store read them
+        (fault injection) must not pass it on."""
 
     @abstractmethod
     def write_many(
@@ -126,7 +145,9 @@ class MemoryObjects(ObjectStore):
                     break
         return out
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+    def read_many(
+        self, keys: Sequence[str], outs: Sequence[ReadOut], check: PageCheck | None = None
+    ) -> list[ReadOutcome]:
         found: list[ReadOutcome] = []
         for key, out in zip(keys, outs, strict=True):
             with self._lock:

@@ -12,6 +12,8 @@ What is checked where:
 * **The stored object** (``get``): frame, format version, namespace digest, key, dtype,
   shape, payload length and checksum (:func:`~hicache_ray.storage.page_format.verify`).
   Only a fault there makes a miss: the object is deleted and counted in ``corrupt_pages``.
+  A store that copies on threads of its own verifies each page there, right after its copy
+  (``read_many``'s ``check``); every other page is verified here.
   A page that fails ends the batch; every buffer past the returned count is zero-filled
   before ``get`` returns (read-ahead included), so no unverified byte is left in a caller's buffer
   (prefetches read into host-pool slots).
@@ -144,13 +146,22 @@ class PagedBackend(PageWrites, StorageBackend):
         outs: list[ReadOut] = [
             byte_view(b) if b.is_contiguous() else StridedOut(b) for b in buffers
         ]
+        verified: set[int] = set()  # the pages the store's copy threads verified
+
+        def check(i: int, header: bytes, digest: str) -> None:
+            verify(header, keys[i], self._digest, buffers[i], digest)
+            verified.add(i)
+
         try:
-            outcomes = self.objects.read_many(keys, outs)
+            if self.objects.reads_in_parallel:
+                outcomes = self.objects.read_many(keys, outs, check)
+            else:
+                outcomes = self.objects.read_many(keys, outs)
         except Exception as exc:  # the store is unreachable: a miss, never an error
             outcomes = [exc] * len(keys)  # whatever it wrote before failing is zeroed below
         done = len(outcomes)
         for i, outcome in enumerate(outcomes):
-            if not self._accept(keys[i], buffers[i], outs[i], outcome):
+            if not self._accept(keys[i], buffers[i], outs[i], outcome, i in verified):
                 done = i
                 if isinstance(outcome, Exception) and not isinstance(outcome, CorruptPage):
                     # The store failed (a shard restarting, a network error): what the
@@ -297,8 +308,11 @@ class PagedBackend(PageWrites, StorageBackend):
 
     # ------------------------------------------------------------------ reads
 
-    def _accept(self, key: str, buf: torch.Tensor, out: ReadOut, outcome: ReadOutcome) -> bool:
-        """Verify a read page and count it; else handle the miss, failure or corruption."""
+    def _accept(
+        self, key: str, buf: torch.Tensor, out: ReadOut, outcome: ReadOutcome, verified: bool
+    ) -> bool:
+        """Verify a read page (unless the store's copy thread did) and count it; else handle
+        the miss, failure or corruption."""
         if outcome is None:
             with self._lock:
                 self._index.forget(key)
@@ -313,9 +327,9 @@ class PagedBackend(PageWrites, StorageBackend):
             return False
         header, digest = outcome
         try:
-            verify(
-                header, key, self._digest, buf, digest if digest is not None else checksum_of(out)
-            )
+            if not verified:
+                digest = digest if digest is not None else checksum_of(out)
+                verify(header, key, self._digest, buf, digest)
         except CorruptPage as exc:
             self._drop_corrupt(key, exc)
             return False

@@ -15,7 +15,7 @@ from hicache_ray.cache.controller import reads
 from hicache_ray.cache.controller.reads import leading
 from hicache_ray.keys import page_hashes
 from hicache_ray.storage import MemoryObjects
-from hicache_ray.storage.objects import ReadOutcome, SizeOutcome
+from hicache_ray.storage.objects import PageCheck, ReadOutcome, SizeOutcome
 from hicache_ray.storage.page_format import ReadOut
 from tests.conftest import make_kv
 from tests.controller.helpers import (
@@ -105,9 +105,11 @@ class CountingObjects(MemoryObjects):
             self.lookups.append(len(keys))
         return super().size_many(keys, leading)
 
-    def read_many(self, keys: Sequence[str], outs: Sequence[ReadOut]) -> list[ReadOutcome]:
+    def read_many(
+        self, keys: Sequence[str], outs: Sequence[ReadOut], check: PageCheck | None = None
+    ) -> list[ReadOutcome]:
         self.reads.append(len(keys))
-        return super().read_many(keys, outs)
+        return super().read_many(keys, outs)  # the backend verifies what is not checked
 
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel-store", "serial-store"])

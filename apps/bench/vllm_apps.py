@@ -1,0 +1,136 @@
+"""vLLM engines for ``bench trace --engine vllm``: the cluster of :mod:`actors.vllm_serve` (vLLM
+replicas on Ray Serve LLM, the cache router, the connector on one ray store) in each mode,
+and a plain vLLM engine (no connector, no prefix cache) that the answers are checked
+against. Runs where vLLM and ``ray[serve,llm]`` are installed (``make setup-vllm``).
+
+The modes, as vLLM has them: ``none`` (no prefix cache), ``l1_l2`` (each replica's own
+prefix cache, no L3: vLLM has no host tier of its own here) and ``l1_l2_l3`` (the prefix
+cache and the connector on the shared ray store). Every replica's KV cache holds the same
+number of blocks as this library's L1 in the same run (``num_gpu_blocks_override``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hicache_ray.base.errors import ConfigError
+
+__all__ = ["REPLICA_ENV", "VLLM_PAGE", "check_vllm_model", "vllm_app", "vllm_recompute"]
+
+VLLM_PAGE = 32  # vLLM's CPU kernels take block sizes in multiples of 32
+# Each replica's process: vLLM's engine core apart (AsyncLLM), threads not pinned to cores.
+REPLICA_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def check_vllm_model(model: str, page_size: int) -> None:
+    """``--engine vllm`` runs a Hugging Face checkpoint directory, in blocks vLLM's CPU
+    kernels take."""
+    if not Path(model, "config.json").is_file():
+        raise ConfigError(
+            "--model", model, "vLLM runs a checkpoint directory", "give one (docs/vllm.md)"
+        )
+    if page_size % VLLM_PAGE:
+        raise ConfigError(
+            "page size", page_size, f"vLLM's CPU blocks are multiples of {VLLM_PAGE}", "use 32"
+        )
+
+
+def _engine_kwargs(
+    model: str, mode: str, page_size: int, blocks: int, max_len: int, store: str
+) -> dict[str, Any]:
+    engine: dict[str, Any] = {
+        "dtype": "float32",
+        "block_size": page_size,
+        "enforce_eager": True,
+        "enable_prefix_caching": mode != "none",
+        "enable_prompt_tokens_details": True,  # usage.prompt_tokens_details.cached_tokens
+        "num_gpu_blocks_override": blocks,
+    }
+    if max_len:
+        engine["max_model_len"] = max_len
+    if mode == "l1_l2_l3":
+        connector = {
+            "store": "ray",
+            "ray": {"name": store},
+            "model_id": os.path.basename(os.path.normpath(model)),
+        }
+        engine["kv_transfer_config"] = {
+            "kv_connector": "HiCacheRayConnector",
+            "kv_connector_module_path": "hicache_ray.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": connector,
+        }
+    return engine
+
+
+def vllm_app(
+    model: str,
+    served: str,
+    mode: str,
+    *,
+    replicas: int,
+    router: str,
+    page_size: int,
+    device_tokens: int,
+    max_len: int,
+    store: str,
+) -> Any:
+    """The Serve app of ``replicas`` vLLM replicas of ``model`` (served as ``served``) in
+    ``mode``, behind ``router``; their KV caches hold ``device_tokens`` each."""
+    from ray.serve.llm import LLMConfig
+
+    from actors.vllm_serve import cluster_app, vllm_cluster_config
+
+    blocks = max(1, device_tokens // page_size)
+    config = LLMConfig(
+        model_loading_config={"model_id": served, "model_source": model},
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        engine_kwargs=_engine_kwargs(model, mode, page_size, blocks, max_len, store),
+        deployment_config={"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
+        runtime_env={"env_vars": REPLICA_ENV},
+    )
+    app = f"trace-vllm-{os.getpid()}-{mode.replace('_', '-')}"
+    cluster = vllm_cluster_config(config, app, router, shared=mode == "l1_l2_l3")
+    return cluster_app([cluster])
+
+
+def vllm_recompute(
+    model: str, prompts: list[list[int]], max_tokens: list[int], max_len: int
+) -> list[list[int]]:
+    """Greedy answers of a plain vLLM engine of ``model`` (no connector, no prefix cache) to
+    ``prompts``, ``max_tokens`` each, end-of-sequence ignored: in a Ray task of its own,
+    so that the engine goes with its process."""
+    import ray
+
+    env = {**REPLICA_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    options: dict[str, Any] = {"num_cpus": 1, "max_retries": 0, "max_calls": 1}  # then it exits
+    task = ray.remote(**options, runtime_env={"env_vars": env})(_recompute)
+    answers: list[list[int]] = ray.get(task.remote(model, prompts, max_tokens, max_len))
+    return answers
+
+
+def _recompute(
+    model: str, prompts: list[list[int]], max_tokens: list[int], max_len: int
+) -> list[list[int]]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        block_size=VLLM_PAGE,
+        seed=0,
+        **({"max_model_len": max_len} if max_len else {}),
+    )
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
