@@ -312,6 +312,7 @@ def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
         "dtype": dtype,
         "block_size": int(_number("page_size", args.get("page_size", "16"), int)),
         "tensor_parallel_size": tp,
+        "enable_prompt_tokens_details": True,  # usage's cached_tokens, as our engine has
         "kv_transfer_config": {
             "kv_connector": "HiCacheRayConnector",
             "kv_connector_module_path": "hicache_ray.integrations.vllm",

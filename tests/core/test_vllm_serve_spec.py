@@ -22,6 +22,7 @@ def test_the_options_become_a_cluster_spec(tmp_path: Path) -> None:
     assert spec["served_name"] == "tiny-llama" and spec["model"] == str(model)
     engine = spec["engine_kwargs"]
     assert engine["block_size"] == 32 and engine["tensor_parallel_size"] == 2
+    assert engine["enable_prompt_tokens_details"] is True  # cached tokens in the usage
     assert engine["dtype"] == "auto"
     options = engine["kv_transfer_config"]["kv_connector_extra_config"]
     assert options == {"store": "ray", "model_id": "tiny-llama",

@@ -81,10 +81,16 @@ def make_tokenizer(path: Path) -> None:
 
 
 def make_checkpoint(
-    path: Path, family: str, *, seed: int = 0, shard_size: str = "", hidden_size: int = 64
+    path: Path,
+    family: str,
+    *,
+    seed: int = 0,
+    shard_size: str = "",
+    hidden_size: int = 64,
+    max_positions: int = 512,
 ) -> Path:
     """Save a tiny random ``family`` model (and tokenizer) to ``path``; returns it (4 heads
-    of ``hidden_size / 4``, 2 KV heads)."""
+    of ``hidden_size / 4``, 2 KV heads, ``max_positions`` long)."""
     config_cls, model_cls, extra = _family(family)
     config = config_cls(
         vocab_size=VOCAB,
@@ -93,7 +99,7 @@ def make_checkpoint(
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         eos_token_id=2,
         bos_token_id=1,
