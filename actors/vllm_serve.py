@@ -184,6 +184,24 @@ def drop_cluster_store(args: dict[str, str]) -> None:
         drop_store(options["ray"]["name"])
 
 
+def _joining_this_cluster(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The connector's options with the GCS of the cluster this replica runs in as
+    ``ray_address`` (unless one is given): vLLM's engine processes are not Ray workers and
+    would join ``auto``, the cluster the node's last ``ray start`` or ``ray.init`` wrote
+    down, which need not be this one (a bench's engine hung joining a stale one)."""
+    import ray
+
+    transfer = engine_kwargs.get("kv_transfer_config")
+    extra = transfer.get("kv_connector_extra_config") if isinstance(transfer, dict) else None
+    if not isinstance(extra, dict) or extra.get("store", "ray") != "ray":
+        return {}
+    store = extra.get("ray")
+    if extra.get("ray_address") or (isinstance(store, dict) and store.get("address")):
+        return {}
+    extra = {**extra, "ray_address": ray.get_runtime_context().gcs_address}
+    return {"kv_transfer_config": {**transfer, "kv_connector_extra_config": extra}}
+
+
 class HiCacheLLMServer(LLMServer):
     """Ray LLM's ``LLMServer`` whose engine's KV events feed the application's index."""
 
@@ -199,7 +217,8 @@ class HiCacheLLMServer(LLMServer):
                 "publisher": "zmq",
                 "endpoint": endpoint,
                 "replay_endpoint": replay,
-            }
+            },
+            **_joining_this_cluster(llm_config.engine_kwargs),
         )
         engine_kwargs = llm_config.engine_kwargs
         # checked by vllm_cluster_config (a baseline cluster runs without the connector)

@@ -72,6 +72,21 @@ def test_bad_cluster_configs_are_refused(checkpoint: Path, tmp_path: Path) -> No
     assert routed.experimental_configs["hicache_index"] == APP
 
 
+def test_replicas_join_the_cluster_they_run_in(ray_local: None) -> None:
+    from actors.vllm_serve import _joining_this_cluster
+
+    here = ray.get_runtime_context().gcs_address
+    ray_store = {**CONNECTOR, "kv_connector_extra_config": {"store": "ray", "ray": {"name": "x"}}}
+    joined = _joining_this_cluster({"kv_transfer_config": ray_store})
+    extra = joined["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {"store": "ray", "ray": {"name": "x"}, "ray_address": here}
+    assert ray_store["kv_connector_extra_config"] == {"store": "ray", "ray": {"name": "x"}}
+    given = {**CONNECTOR, "kv_connector_extra_config": {"store": "ray", "ray_address": "auto"}}
+    files = {**CONNECTOR, "kv_connector_extra_config": {"store": "file"}}
+    for kwargs in ({"kv_transfer_config": given}, {"kv_transfer_config": files}, {}):
+        assert _joining_this_cluster(kwargs) == {}  # theirs kept; no ray store; no connector
+
+
 def test_the_cluster_app_keeps_its_ingress(checkpoint: Path, tmp_path: Path) -> None:
     from actors.vllm_serve import cluster_app, vllm_cluster_config
 
