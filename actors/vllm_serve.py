@@ -192,7 +192,9 @@ def _joining_this_cluster(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     import ray
 
     transfer = engine_kwargs.get("kv_transfer_config")
-    extra = transfer.get("kv_connector_extra_config") if isinstance(transfer, dict) else None
+    if not isinstance(transfer, dict):
+        return {}
+    extra = transfer.get("kv_connector_extra_config")
     if not isinstance(extra, dict) or extra.get("store", "ray") != "ray":
         return {}
     store = extra.get("ray")
