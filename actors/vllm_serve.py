@@ -15,7 +15,8 @@ vLLM's CPU build here, so the cluster plugs into it instead of wrapping vLLM ane
   :mod:`actors.routing` (the same cost by tier and load), reading the prompt from Ray
   LLM's request (vLLM's ``CompletionRequest`` or ``ChatCompletionRequest``): token ids as
   sent, or the text tokenized as vLLM tokenizes it (the model's tokenizer and chat
-  template); ``prefix`` is Ray's ``PrefixCacheAffinityRouter``; ``pow2`` Serve's default.
+  template); ``prefix`` is Ray's ``PrefixCacheAffinityRouter`` (:class:`VllmPrefixRouter`:
+  taught token-id prompts); ``pow2`` Serve's default.
 
 :func:`vllm_cluster_config` turns an ``LLMConfig`` into the cluster's; :func:`cluster_app`
 builds the app with Ray LLM's ``build_openai_app`` and :class:`HiCacheIngress`, its OpenAI
@@ -34,11 +35,14 @@ from typing import Any
 from ray import serve
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+    PrefixCacheAffinityRouter,
+)
 from ray.serve.request_router import PendingRequest
 
 from actors.index_actor import Publisher
 from actors.resend import resent_stream
-from actors.routing import PREFIX_ROUTER, CacheAwareRouter
+from actors.routing import CacheAwareRouter
 from actors.stores import drop_store
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.integrations.vllm.event_feed import VllmEventFeed
@@ -109,7 +113,7 @@ def vllm_cluster_config(
     salt = str(_connector_options(kwargs, shared=shared).get("tenant_salt", ""))
     deployment = dict(llm_config.deployment_config)
     if router != "pow2":
-        options: dict[str, Any] = {"request_router_class": PREFIX_ROUTER}
+        options: dict[str, Any] = {"request_router_class": "actors.vllm_serve:VllmPrefixRouter"}
         if router == "cache":
             tokenizer = llm_config.model_loading_config.model_source or llm_config.model_id
             options = {
@@ -241,6 +245,18 @@ class HiCacheLLMServer(LLMServer):
         if feed is not None:
             feed.stop()
         await super().__del__()
+
+
+class VllmPrefixRouter(PrefixCacheAffinityRouter):
+    """Ray's ``PrefixCacheAffinityRouter`` (the ``prefix`` router), also for token-id prompts:
+    Ray's reads a list of token ids as empty text, and then fails every call with a
+    division by zero (Ray 2.60), so no call is ever routed. Here such a prompt is its ids
+    as text, one space after each, so a text prefix is a token prefix."""
+
+    def _normalize_prompt_to_string(self, prompt: Any) -> str:
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return "".join(f"{t} " for t in prompt)
+        return str(super()._normalize_prompt_to_string(prompt))
 
 
 class VllmCacheRouter(CacheAwareRouter):

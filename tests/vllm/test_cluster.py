@@ -87,6 +87,20 @@ def test_replicas_join_the_cluster_they_run_in(ray_local: None) -> None:
         assert _joining_this_cluster(kwargs) == {}  # theirs kept; no ray store; no connector
 
 
+def test_the_prefix_router_reads_token_id_prompts_as_text(checkpoint: Path, tmp_path: Path) -> None:
+    from actors.vllm_serve import VllmPrefixRouter, vllm_cluster_config
+
+    normalize = VllmPrefixRouter._normalize_prompt_to_string
+    router = VllmPrefixRouter.__new__(VllmPrefixRouter)  # the method reads no state
+    assert normalize(router, [5, 17, 3]) == "5 17 3 "
+    assert normalize(router, [5, 17]) and normalize(router, [5, 17, 3]).startswith("5 17 ")
+    assert normalize(router, "hi") == "hi"  # text and messages as Ray reads them
+    assert normalize(router, [{"role": "user", "content": "hi"}]) == "hi"
+    routed = vllm_cluster_config(_config(checkpoint, tmp_path), APP, router="prefix")
+    options = routed.deployment_config["request_router_config"]
+    assert options["request_router_class"] == "actors.vllm_serve:VllmPrefixRouter"
+
+
 def test_the_cluster_app_keeps_its_ingress(checkpoint: Path, tmp_path: Path) -> None:
     from actors.vllm_serve import cluster_app, vllm_cluster_config
 
