@@ -45,29 +45,21 @@ def check_vllm_model(model: str, page_size: int) -> None:
 def _engine_kwargs(
     model: str, mode: str, page_size: int, blocks: int, max_len: int, store: str
 ) -> dict[str, Any]:
-    engine: dict[str, Any] = {
-        "dtype": "float32",
-        "block_size": page_size,
-        "enforce_eager": True,
-        "enable_prefix_caching": mode != "none",
-        "enable_prompt_tokens_details": True,  # usage.prompt_tokens_details.cached_tokens
-        "num_gpu_blocks_override": blocks,
-    }
-    if max_len:
-        engine["max_model_len"] = max_len
-    if mode == "l1_l2_l3":
-        connector = {
-            "store": "ray",
-            "ray": {"name": store},
-            "model_id": os.path.basename(os.path.normpath(model)),
-        }
-        engine["kv_transfer_config"] = {
-            "kv_connector": "HiCacheRayConnector",
-            "kv_connector_module_path": "hicache_ray.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": connector,
-        }
+    """``hicache-ray serve --engine vllm``'s engine arguments (the connector on the ray store
+    ``store``; none below ``l1_l2_l3``), and the bench's: this run's KV cache size and
+    request length, the prefix cache off in ``none``."""
+    from hicache_ray.serving.serve_options import vllm_serve_spec
+
+    args = {"model": model, "dtype": "float32", "page_size": str(page_size), "store": store}
+    engine: dict[str, Any] = vllm_serve_spec(args)["engine_kwargs"]
+    if mode != "l1_l2_l3":
+        del engine["kv_transfer_config"]
+    engine.update(
+        enforce_eager=True,
+        enable_prefix_caching=mode != "none",
+        num_gpu_blocks_override=blocks,
+        **({"max_model_len": max_len} if max_len else {}),
+    )
     return engine
 
 
