@@ -26,10 +26,11 @@ and ``ray[serve,llm]`` are installed (``make setup-vllm``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -56,6 +57,7 @@ __all__ = [
     "build_vllm_app",
     "cluster_app",
     "drop_cluster_store",
+    "named_answer",
     "vllm_cluster_config",
 ]
 
@@ -208,11 +210,43 @@ def _joining_this_cluster(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"kv_transfer_config": {**transfer, "kv_connector_extra_config": extra}}
 
 
+def named_answer(item: Any, replica: str) -> Any:
+    """``item`` of a completion or chat answer (a streamed batch of ``data: {json}`` lines,
+    one such line, or a whole response) with ``replica`` named in its usage's
+    ``prompt_tokens_details`` (``hicache.replica``, as this library's own engine names
+    it); an item without those details (every chunk of a stream but its usage's, errors)
+    is returned as it is."""
+    if isinstance(item, list):
+        return [named_answer(one, replica) for one in item]
+    if isinstance(item, str):
+        if not item.startswith("data: ") or '"prompt_tokens_details":{' not in item:
+            return item
+        body = json.loads(item[len("data: ") :])
+        details = (body.get("usage") or {}).get("prompt_tokens_details")
+        if not isinstance(details, dict):
+            return item
+        details["hicache"] = {"replica": replica}
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+    details = getattr(getattr(item, "usage", None), "prompt_tokens_details", None)
+    if details is not None:
+        details.hicache = {"replica": replica}  # vLLM's models keep extra fields
+    return item
+
+
+async def _named_stream(
+    stream: AsyncGenerator[Any, None], replica: str
+) -> AsyncGenerator[Any, None]:
+    async for item in stream:
+        yield named_answer(item, replica)
+
+
 class HiCacheLLMServer(LLMServer):
-    """Ray LLM's ``LLMServer`` whose engine's KV events feed the application's index."""
+    """Ray LLM's ``LLMServer`` whose engine's KV events feed the application's index, and
+    whose completion and chat answers name it (:func:`named_answer`)."""
 
     async def __init__(self, llm_config: Any, **kwargs: Any) -> None:  # type: ignore[misc]
         replica = serve.get_replica_context().replica_id.unique_id
+        self._replica = replica
         # Linux's abstract socket names: nothing on disk that a killed replica leaves behind
         name = f"hicache-vllm-events-{uuid.uuid4().hex}"
         endpoint, replay = f"ipc://@{name}-pub", f"ipc://@{name}-replay"
@@ -236,6 +270,24 @@ class HiCacheLLMServer(LLMServer):
         app = str(llm_config.experimental_configs.get(INDEX_KEY, ""))
         self._publisher = Publisher(self._journal, app, replica)
         self._publisher.start()
+
+    async def _run_request(
+        self,
+        request: Any,
+        *,
+        engine_method: str,
+        batch_output_stream: bool = False,
+        raw_request_info: Any = None,
+    ) -> AsyncGenerator[Any, None]:
+        stream = await super()._run_request(
+            request,
+            engine_method=engine_method,
+            batch_output_stream=batch_output_stream,
+            raw_request_info=raw_request_info,
+        )
+        if engine_method not in ("completions", "chat"):
+            return stream
+        return _named_stream(stream, self._replica)
 
     async def __del__(self) -> None:
         publisher = getattr(self, "_publisher", None)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from apps.cli_args import MODEL_PRESETS, csv_of, flag, positive_float, positive_int
+from apps.cli_args import (
+    MODEL_PRESETS,
+    csv_of,
+    flag,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from hicache_ray.serving.serve_options import ROUTERS
 
 __all__ = [
@@ -136,8 +143,20 @@ class RouteOptions:
             "replicas", "replica counts, each scenario at each", type=_replica_counts, metavar="2,3"
         ),
     )
+    engine: str = field(
+        default="hicache",
+        metadata=flag(
+            "engine", "hicache (this library's) or vllm (vLLM replicas, docs/vllm.md)",
+            choices=("hicache", "vllm"),
+        ),
+    )  # fmt: skip
     model: str = field(
-        default="bench", metadata=flag("model", "reference model preset", choices=MODEL_PRESETS)
+        default="bench",
+        metadata=flag(
+            "model",
+            f"a reference model preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face "
+            "checkpoint directory (--engine vllm: a checkpoint)",
+        ),
     )
     conversations: int = field(
         default=12, metadata=flag("conversations", "conversations", type=positive_int)
@@ -177,6 +196,14 @@ class RouteOptions:
             "write every turn (scenario, router, start, TTFT, replica, tokens per tier) "
             "to this JSON Lines file",
             metavar="PATH",
+        ),
+    )
+    check: int = field(
+        default=4,
+        metadata=flag(
+            "check",
+            "--engine vllm: each run's first N answers checked against a plain vLLM engine",
+            type=non_negative_int,
         ),
     )
     quick: bool = False

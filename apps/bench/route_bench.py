@@ -50,6 +50,7 @@ from typing import Any
 
 from apps.bench.options import RouteOptions
 from apps.bench.route_clients import (
+    ENGINE_DEPLOYMENTS,
     SERVED,
     RouteRun,
     Scenario,
@@ -102,6 +103,10 @@ def _server(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) 
 
     from actors.openai_app import build_app
 
+    if opts.engine == "vllm":
+        from apps.bench.route_vllm import vllm_route_app
+
+        app = vllm_route_app(opts, replicas, router, scenario)
     args = {
         "model": opts.model,
         "storage": scenario.storage,
@@ -116,7 +121,7 @@ def _server(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(args), name=_APP, route_prefix="/")
+        serve.run(app if opts.engine == "vllm" else build_app(args), name=_APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]
@@ -126,6 +131,8 @@ def _one(opts: RouteOptions, n: int, router: str, scenario: Scenario, vocab: int
     """One fresh app, one scenario's conversations."""
     with embedded_ray(n + scenario.ingresses), _server(opts, n, router, scenario) as url:
         app = f"openai-{os.getpid()}"  # the deployment's name: its index is named after it
+        if opts.engine == "vllm":
+            from apps.bench.route_vllm import INDEX_APP as app
         disrupt = (
             partial(restart_one_engine, _APP, n)
             if scenario.restart_after
@@ -136,7 +143,7 @@ def _one(opts: RouteOptions, n: int, router: str, scenario: Scenario, vocab: int
         else:
             run = asyncio.run(converse(url, opts, scenario, app, vocab, disrupt))
         if router == "prefix":
-            run.tree_chars = prefix_tree_chars(_APP)
+            run.tree_chars = prefix_tree_chars(_APP, ENGINE_DEPLOYMENTS[opts.engine == "vllm"])
         return run
 
 
@@ -165,30 +172,43 @@ def _figures(prefix: str, run: RouteRun) -> list[Figure]:
 
 
 def run_route_bench(opts: RouteOptions, log: Callable[[str], None] = print) -> list[Figure]:
-    """Every scenario with every router; the comparisons at the first replica count."""
-    from hicache_ray.engine.model import preset
+    """Every scenario with every router; the comparisons at the first replica count
+    (``route.*``; ``route.vllm.*`` with vLLM replicas, :mod:`apps.bench.route_vllm`)."""
+    from hicache_ray.engine.model.checkpoint import resolve_model
 
-    vocab = preset(opts.model).vocab_size
+    vllm = opts.engine == "vllm"
+    if vllm:
+        from apps.bench.route_vllm import vllm_route_options
+
+        opts = vllm_route_options(opts, log)
+    vocab = resolve_model(opts.model).vocab_size
+    root = "route.vllm" if vllm else "route"
     out: list[Figure] = []
+    every: list[RouteRun] = []
     for n in opts.replicas:
         runs: dict[tuple[str, str], RouteRun] = {}  # (scenario, router) at this count
         for name, scenario in scenarios(opts).items():
             for router in opts.routers:
                 run = runs[name, router] = _one(opts, n, router, scenario, vocab)
+                every.append(run)
                 log(
                     f"route: {name}, {n} replicas, {router}: {run.cached_tokens} of "
                     f"{run.prompt_tokens} prompt tokens cached, TTFT p50 "
                     f"{percentile(run.ttft_s, 50) * 1e3:.0f} ms, misrouted "
                     f"{run.misrouted} of {run.judged}, {run.failed} failed"
                 )
-                out += _figures(f"route.r{n}{'' if name == 'base' else '.' + name}.{router}", run)
+                out += _figures(f"{root}.r{n}{'' if name == 'base' else '.' + name}.{router}", run)
                 if opts.turn_log:
                     _log_turns(
                         opts.turn_log, {"scenario": name, "router": router, "replicas": n}, run
                     )
         # NOTE: the first count's comparisons carry the targets and keep their old names.
         label = "" if n == opts.replicas[0] else f".r{n}"
-        out += _comparisons(runs, list(scenarios(opts)), label)
+        out += _comparisons(runs, list(scenarios(opts)), root + label, not label, vllm)
+    if vllm:  # the router's own cost is the same code's: measured with this library's engine
+        from apps.bench.route_vllm import wrong_answer_figures
+
+        return out + wrong_answer_figures(opts, every, log)
     cost = router_cost_figures(vocab, opts.page_size, log) if "cache" in opts.routers else []
     return out + cost
 
@@ -213,46 +233,43 @@ def _pooled(runs: dict[tuple[str, str], RouteRun], names: list[str], router: str
 
 
 def _comparisons(
-    runs: dict[tuple[str, str], RouteRun], names: list[str], count: str
+    runs: dict[tuple[str, str], RouteRun], names: list[str], stem: str, first: bool, vllm: bool
 ) -> list[Figure]:
-    """The comparisons of one replica count's runs (``count``: ``""`` at the first count,
-    where the targets are, else ``.r<N>``)."""
+    """The comparisons of one replica count's runs, named from ``stem`` (``route``,
+    ``route.vllm``, then ``.r<N>`` past the first count); targets at the ``first``."""
     failed = float(sum(r.failed for r in runs.values()))
-    out = [figure(f"route{count}.failed_requests", failed, "requests", target=0, better="lower")]
+    out = [figure(f"{stem}.failed_requests", failed, "requests", target=0, better="lower")]
     routers = {router for _, router in runs}
     for scope, among in [("", names)] + [(f".{name}", [name]) for name in names]:
         if "cache" not in routers:
             break
-        headline = not scope and not count  # the targets: every scenario, first count
-        label = count + scope
         cache = _pooled(runs, among, "cache")
-        for other, goal in (("pow2", 1.5), ("prefix", 1.1)):
-            if other in routers:
-                base = _pooled(runs, among, other)
-                ratio = cache.cached_tokens / max(1, base.cached_tokens)
-                name = f"route{label}.cache_vs_{other}.hit_tokens"
-                out.append(figure(name, ratio, "x", target=goal if headline else None))
-        out += _ttft_ratios(runs, among, label, routers, headline)
+        for other in ("pow2", "prefix"):
+            if other not in routers:
+                continue
+            base = _pooled(runs, among, other)
+            ratio = cache.cached_tokens / max(1, base.cached_tokens)
+            goal = _goal(vllm, scope, f"{other}.hit_tokens") if first else None
+            name = f"{stem}{scope}.cache_vs_{other}.hit_tokens"
+            out.append(figure(name, ratio, "x", target=goal))
+            for p in (50, 90) if cache.ttft_s and base.ttft_s else ():
+                goal = _goal(vllm, scope, f"{other}.ttft_p{p}") if first else None
+                ratio = percentile(cache.ttft_s, p) / percentile(base.ttft_s, p)
+                name = f"{stem}{scope}.cache_vs_{other}.ttft_p{p}"
+                out.append(figure(name, ratio, "x", target=goal, better="lower"))
     return out
 
 
-def _ttft_ratios(
-    runs: dict[tuple[str, str], RouteRun],
-    among: list[str],
-    label: str,
-    routers: set[str],
-    headline: bool,
-) -> list[Figure]:
-    """The cache router's TTFT over the others' (p50 against pow2 over every scenario, with
-    its target; p90 against both per scenario, the blind spots' figure)."""
-    cache, out = _pooled(runs, among, "cache"), []
-    for other in ("pow2", "prefix"):
-        base = _pooled(runs, among, other) if other in routers else RouteRun()
-        if not (cache.ttft_s and base.ttft_s):
-            continue
-        for p in (50, 90):
-            goal = 0.7 if headline and other == "pow2" and p == 50 else None
-            ratio = percentile(cache.ttft_s, p) / percentile(base.ttft_s, p)
-            name = f"route{label}.cache_vs_{other}.ttft_p{p}"
-            out.append(figure(name, ratio, "x", target=goal, better="lower"))
-    return out
+def _goal(vllm: bool, scope: str, what: str) -> float | None:
+    """The target of the cache router's comparison ``what`` in ``scope`` ("": every
+    scenario; ".<scenario>") at the first replica count: this library's engine's (its
+    routing issue) or vLLM replicas' (``route.vllm.*``: never below 0.97x the prefix
+    router's cached tokens in any scenario, TTFT p90 0.8x its on the trace)."""
+    if vllm:
+        goals = {"pow2.hit_tokens": 1.5} if not scope else {"prefix.hit_tokens": 0.97}
+        if scope == ".trace":
+            goals["prefix.ttft_p90"] = 0.8
+    else:
+        goals = {} if scope else {"pow2.hit_tokens": 1.5, "prefix.hit_tokens": 1.1}
+        goals.update({} if scope else {"pow2.ttft_p50": 0.7})
+    return goals.get(what)

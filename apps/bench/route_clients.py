@@ -21,10 +21,12 @@ import ray
 from actors.index_actor import index_actor
 from apps.bench.options import RouteOptions
 from apps.bench.serve_http_bench import openai_client
+from apps.bench.trace_clients import new_tokens
 from apps.bench.workload import random_tokens
 from hicache_ray.keys import page_hashes
 
 __all__ = [
+    "ENGINE_DEPLOYMENTS",
     "RouteRun",
     "Scenario",
     "Truth",
@@ -92,6 +94,7 @@ class RouteRun:
     wall_s: float = 0.0
     tree_chars: int | None = None  # Ray's prefix router: its tree's text at the end
     turns: list[dict[str, Any]] = field(default_factory=list)  # one record per turn
+    answers: list[tuple[list[int], list[int]]] = field(default_factory=list)  # prompt, answer
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -118,33 +121,40 @@ class Truth:
 
 
 async def send_turn(
-    client: Any, prompt: list[int], max_new: int, run: RouteRun
+    client: Any, prompt: list[int], max_new: int, run: RouteRun, vllm: bool = False
 ) -> tuple[int, list[int]]:
-    """One streamed turn: the L1 + L2 tokens it was served from cache and its answer's
-    token ids (empty when it failed)."""
+    """One streamed turn: the tokens it was served from cache (L1 + L2; vLLM's cached
+    tokens with ``vllm``) and its answer's token ids (empty when it failed).
+
+    This library's engine reads the prompt as text (its ids, which Ray's prefix router
+    reads too); vLLM gets the ids and answers greedy with the ids beside its text
+    (:mod:`apps.bench.trace_clients`)."""
     text, start, ttft, served = "", time.perf_counter(), None, 0
-    replica, tiers = "", dict[str, Any]()
+    replica, tiers, ids = "", dict[str, Any](), list[int]()
+    greedy = {"temperature": 0, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
     try:
         stream = await client.completions.create(
             model=SERVED,
-            prompt=" ".join(map(str, prompt)),  # text, which Ray's prefix router reads
+            prompt=prompt if vllm else " ".join(map(str, prompt)),
             max_tokens=max_new,
             stream=True,
             stream_options={"include_usage": True},
+            **(greedy if vllm else {}),
         )
         async for chunk in stream:
-            piece = "".join(c.text for c in chunk.choices)
-            if piece and ttft is None:
+            piece, new = new_tokens(chunk, vllm)
+            if (new if vllm else piece) and ttft is None:
                 ttft = time.perf_counter() - start
-            text += piece
+            text, ids = text + piece, ids + new
             if chunk.usage is not None:
                 run.prompt_tokens += chunk.usage.prompt_tokens
                 details = chunk.usage.prompt_tokens_details
-                run.cached_tokens += (details.cached_tokens or 0) if details else 0
+                cached = (details.cached_tokens or 0) if details else 0
+                run.cached_tokens += cached
                 tiers = (details.model_extra or {}).get("hicache", {}) if details else {}
                 for tier in TIERS:
                     run.tiers[tier] += int(tiers.get(tier, 0))
-                served = int(tiers.get("l1", 0)) + int(tiers.get("l2", 0))
+                served = cached if vllm else int(tiers.get("l1", 0)) + int(tiers.get("l2", 0))
                 replica = str(tiers.get("replica", ""))
                 run.served_by[replica] = run.served_by.get(replica, 0) + 1
     except Exception as e:  # a failed turn is counted, never raised: the run goes on
@@ -161,7 +171,9 @@ async def send_turn(
             **{t: int(tiers.get(t, 0)) for t in TIERS},
         }
     )
-    return served, [int(t) for t in text.split()]
+    answer = ids if vllm else [int(t) for t in text.split()]
+    run.answers.append((prompt, answer))
+    return served, answer
 
 
 async def converse(
@@ -182,7 +194,8 @@ async def converse(
             user = random_tokens(vocab, opts.user_len, 10_000 * (round_ + 1) + c)
             prompt = history[c] + user
             best = await truth.best(prompt)
-            served, answer = await send_turn(client, prompt, opts.answer_len, run)
+            vllm = opts.engine == "vllm"
+            served, answer = await send_turn(client, prompt, opts.answer_len, run, vllm)
             history[c] = prompt + answer
             if best is not None and answer:
                 run.judged += 1
@@ -240,12 +253,17 @@ def reform_one_engine(app: str) -> None:
     ray.kill(ray.get_actor(ranks[0], namespace="hicache"), no_restart=True)
 
 
+# The engine replicas' deployment: this library's (``hicache-ray serve``), or Ray LLM's
+# vLLM replicas (``HiCacheLLMServer:`` and the served name, as Ray LLM names them).
+ENGINE_DEPLOYMENTS = ("hicache-engine", f"HiCacheLLMServer:{SERVED}")
+
+
 def _engines() -> list[str]:
     """The actor names of the live engine replicas (``SERVE_REPLICA::app#deployment#id``)."""
     return sorted(
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a.get("namespace") == "serve" and "hicache-engine" in a["name"]
+        if a.get("namespace") == "serve" and any(f"#{d}#" in a["name"] for d in ENGINE_DEPLOYMENTS)
     )
 
 
@@ -264,7 +282,8 @@ def restart_one_engine(app: str, replicas: int, timeout_s: float = 300.0) -> Non
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = serve.status().applications.get(app)
-        engine = status.deployments.get("hicache-engine") if status else None
+        deployments = status.deployments if status else {}
+        engine = next((deployments[d] for d in ENGINE_DEPLOYMENTS if d in deployments), None)
         now = _engines()
         states = {
             str(getattr(k, "value", k)): n

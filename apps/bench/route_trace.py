@@ -23,8 +23,6 @@ from apps.bench.trace_data import DEFAULT_TRACE, load_trace, scale
 
 __all__ = ["prefix_tree_chars", "replay_trace", "trace_l1"]
 
-ENGINE = "hicache-engine"  # the engine replicas' deployment
-
 
 async def replay_trace(
     url: str, opts: RouteOptions, scenario: Scenario, app: str, vocab: int
@@ -38,7 +36,9 @@ async def replay_trace(
         async def worker() -> None:
             for request in order:
                 best = await truth.best(request.prompt)
-                served, answer = await send_turn(client, request.prompt, request.max_tokens, run)
+                served, answer = await send_turn(
+                    client, request.prompt, request.max_tokens, run, opts.engine == "vllm"
+                )
                 if best is not None and answer:
                     run.judged += 1
                     run.misrouted += served < best
@@ -57,12 +57,13 @@ def trace_l1(opts: RouteOptions) -> int:
     return max(opts.device_tokens, -(-2 * longest // opts.page_size) * opts.page_size)
 
 
-def prefix_tree_chars(serve_app: str) -> int | None:
+def prefix_tree_chars(serve_app: str, engine: str) -> int | None:
     """The characters of text Ray's prefix router's tree holds for ``serve_app``'s engine
-    replicas (every replica's, summed); None when the tree is not there."""
+    replicas (the deployment ``engine``; every replica's, summed); None when the tree is
+    not there."""
     from ray.serve._private.constants import SERVE_NAMESPACE
 
-    namespace = f"{SERVE_NAMESPACE}::{serve_app}::{ENGINE}"
+    namespace = f"{SERVE_NAMESPACE}::{serve_app}::{engine}"
     try:
         tree = ray.get_actor("LlmPrefixTreeActor", namespace=namespace)
         counts: Any = ray.get(tree.getattr.remote("tenant_to_char_count"), timeout=30)

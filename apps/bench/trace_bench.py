@@ -97,12 +97,10 @@ def _vllm_app(opts: TraceOptions, mode: str, store: str) -> Any:
 
 
 def _max_len(opts: TraceOptions) -> int:
-    """The longest request vLLM admits: the model's, within one replica's KV cache (vLLM
-    refuses to start with less room; the sizing rule fits two of the longest request)."""
-    from hicache_ray.engine.model.checkpoint import resolve_model
+    """The longest request vLLM admits (the sizing rule fits two of the longest request)."""
+    from apps.bench.vllm_apps import vllm_max_len
 
-    longest = resolve_model(opts.model).max_context
-    return min(longest, opts.device_tokens) if longest else opts.device_tokens
+    return vllm_max_len(opts.model, opts.device_tokens, opts.page_size)
 
 
 @contextmanager

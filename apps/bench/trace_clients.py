@@ -24,7 +24,7 @@ from typing import Any
 from apps.bench.serve_http_bench import openai_client
 from apps.bench.trace_data import ScaledRequest
 
-__all__ = ["SERVED", "Outcome", "replay"]
+__all__ = ["SERVED", "Outcome", "new_tokens", "replay"]
 
 SERVED = "bench"  # the model name the clients ask for
 TIERS = ("l1", "l2", "l3")
@@ -46,7 +46,7 @@ class Outcome:
         return sum(self.tiers.values()) or self.cached
 
 
-def _new_tokens(chunk: Any, vllm: bool) -> tuple[str, list[int]]:
+def new_tokens(chunk: Any, vllm: bool) -> tuple[str, list[int]]:
     """A chunk's text, and its token ids when the engine sends them (vLLM)."""
     text = "".join(c.text for c in chunk.choices)
     if not vllm:
@@ -70,7 +70,7 @@ async def _send(client: Any, request: ScaledRequest, vllm: bool) -> Outcome:
             **(greedy if vllm else {}),
         )
         async for chunk in stream:
-            piece, ids = _new_tokens(chunk, vllm)
+            piece, ids = new_tokens(chunk, vllm)
             now = time.perf_counter()
             new = len(ids) if vllm else len(piece.split())
             if new:

@@ -17,7 +17,14 @@ from typing import Any
 
 from hicache_ray.base.errors import ConfigError
 
-__all__ = ["REPLICA_ENV", "VLLM_PAGE", "check_vllm_model", "vllm_app", "vllm_recompute"]
+__all__ = [
+    "REPLICA_ENV",
+    "VLLM_PAGE",
+    "check_vllm_model",
+    "vllm_app",
+    "vllm_max_len",
+    "vllm_recompute",
+]
 
 VLLM_PAGE = 32  # vLLM's CPU kernels take block sizes in multiples of 32
 # Each replica's process: vLLM's engine core apart (AsyncLLM), threads not pinned to cores.
@@ -42,16 +49,22 @@ def check_vllm_model(model: str, page_size: int) -> None:
         )
 
 
-def _engine_kwargs(
-    model: str, mode: str, page_size: int, blocks: int, max_len: int, store: str
-) -> dict[str, Any]:
-    """``hicache-ray serve --engine vllm``'s engine arguments (the connector on the ray store
-    ``store``; none below ``l1_l2_l3``), and the bench's: this run's KV cache size and
-    request length, the prefix cache off in ``none``."""
-    from hicache_ray.serving.serve_options import vllm_serve_spec
+def vllm_max_len(model: str, device_tokens: int, page_size: int) -> int:
+    """The longest request a replica of ``model`` admits: the model's, within its KV cache
+    of ``device_tokens`` (vLLM keeps one block of it aside, and refuses to start with a
+    longer ``max_model_len`` than the rest holds)."""
+    from hicache_ray.engine.model.checkpoint import resolve_model
 
-    args = {"model": model, "dtype": "float32", "page_size": str(page_size), "store": store}
-    engine: dict[str, Any] = vllm_serve_spec(args)["engine_kwargs"]
+    room = max(page_size, device_tokens - page_size)
+    longest = resolve_model(model).max_context
+    return min(longest, room) if longest else room
+
+
+def _engine_kwargs(spec: dict[str, Any], mode: str, blocks: int, max_len: int) -> dict[str, Any]:
+    """``hicache-ray serve --engine vllm``'s engine arguments (``spec``: the connector on
+    its ray store; none below ``l1_l2_l3``), and the bench's: this run's KV cache size and
+    request length, the prefix cache off in ``none``."""
+    engine: dict[str, Any] = dict(spec["engine_kwargs"])
     if mode != "l1_l2_l3":
         del engine["kv_transfer_config"]
     engine.update(
@@ -74,24 +87,33 @@ def vllm_app(
     device_tokens: int,
     max_len: int,
     store: str,
+    index: str = "",
+    ingresses: int = 1,
+    weights: str = "",
 ) -> Any:
     """The Serve app of ``replicas`` vLLM replicas of ``model`` (served as ``served``) in
-    ``mode``, behind ``router``; their KV caches hold ``device_tokens`` each."""
+    ``mode``, behind ``router`` (the cache router with ``weights``, as serve's
+    ``--route-weights``) and ``ingresses`` OpenAI ingresses; their KV caches hold
+    ``device_tokens`` each; ``index``: the application's index (its name)."""
     from ray.serve.llm import LLMConfig
 
     from actors.vllm_serve import cluster_app, vllm_cluster_config
+    from hicache_ray.serving.serve_options import vllm_serve_spec
 
+    args = {"model": model, "dtype": "float32", "page_size": str(page_size), "store": store}
+    spec = vllm_serve_spec({**args, **({"route_weights": weights} if weights else {})})
     blocks = max(1, device_tokens // page_size)
     config = LLMConfig(
         model_loading_config={"model_id": served, "model_source": model},
         placement_group_config={"bundles": [{"CPU": 1}]},
-        engine_kwargs=_engine_kwargs(model, mode, page_size, blocks, max_len, store),
+        engine_kwargs=_engine_kwargs(spec, mode, blocks, max_len),
         deployment_config={"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
         runtime_env={"env_vars": REPLICA_ENV},
     )
-    app = f"trace-vllm-{os.getpid()}-{mode.replace('_', '-')}"
-    cluster = vllm_cluster_config(config, app, router, shared=mode == "l1_l2_l3")
-    return cluster_app([cluster])
+    app = index or f"trace-vllm-{os.getpid()}-{mode.replace('_', '-')}"
+    shared = mode == "l1_l2_l3"
+    cluster = vllm_cluster_config(config, app, router, spec["weights"], shared=shared)
+    return cluster_app([cluster], ingress_deployment_config={"num_replicas": ingresses})
 
 
 def vllm_recompute(

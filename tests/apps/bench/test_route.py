@@ -111,11 +111,32 @@ def test_comparisons_name_the_replica_count_past_the_first() -> None:
         return RouteRun(ttft_s=[ttft] * 4, cached_tokens=cached)
 
     runs = {("hot", "cache"): run(300, 1.0), ("hot", "pow2"): run(100, 2.0)}
-    first = {f.name: f for f in _comparisons(runs, ["hot"], "")}
-    later = {f.name: f for f in _comparisons(runs, ["hot"], ".r3")}
+    first = {f.name: f for f in _comparisons(runs, ["hot"], "route", True, False)}
+    later = {f.name: f for f in _comparisons(runs, ["hot"], "route.r3", False, False)}
     assert first["route.cache_vs_pow2.hit_tokens"].value == 3.0
     assert first["route.cache_vs_pow2.hit_tokens"].target == 1.5
     assert first["route.hot.cache_vs_pow2.ttft_p90"].value == 0.5
     assert later["route.r3.cache_vs_pow2.hit_tokens"].target is None  # targets: first count
     assert later["route.r3.hot.cache_vs_pow2.ttft_p50"].value == 0.5
     assert "route.r3.failed_requests" in later
+
+
+def test_vllm_comparisons_carry_their_own_targets() -> None:
+    def run(cached: int, ttft: float) -> RouteRun:
+        return RouteRun(ttft_s=[ttft] * 4, cached_tokens=cached)
+
+    runs = {
+        (name, router): run(cached, ttft)
+        for name in ("base", "trace")
+        for router, cached, ttft in (("cache", 300, 1.0), ("prefix", 290, 2.0), ("pow2", 100, 1.0))
+    }
+    got = {f.name: f for f in _comparisons(runs, ["base", "trace"], "route.vllm", True, True)}
+    assert got["route.vllm.failed_requests"].target == 0
+    assert got["route.vllm.cache_vs_pow2.hit_tokens"].target == 1.5
+    assert got["route.vllm.cache_vs_prefix.hit_tokens"].target is None
+    for name in ("base", "trace"):  # never below 0.97x the prefix router's, in any scenario
+        assert got[f"route.vllm.{name}.cache_vs_prefix.hit_tokens"].target == 0.97
+    assert got["route.vllm.trace.cache_vs_prefix.ttft_p90"].target == 0.8
+    assert got["route.vllm.trace.cache_vs_prefix.ttft_p90"].value == 0.5
+    assert got["route.vllm.base.cache_vs_prefix.ttft_p90"].target is None
+    assert got["route.vllm.cache_vs_pow2.ttft_p50"].target is None  # this engine's own target
