@@ -36,6 +36,9 @@ share of turns sent to a replica holding less of their prefix than the best one 
 busiest replica's share of the turns (the ``hicache`` extension names the replica), and
 behind Ray's prefix router its tree's size at the end. The comparisons
 (``route.cache_vs_*``) add up every scenario at one replica count.
+
+``engine="vllm"``: the same through vLLM replicas on Ray Serve LLM (``route.vllm.*``,
+:mod:`apps.bench.route_vllm`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from apps.bench.route_clients import (
 )
 from apps.bench.route_cost_bench import router_cost_figures
 from apps.bench.route_trace import prefix_tree_chars, replay_trace, trace_l1
+from apps.bench.route_vllm import INDEX_APP
 from apps.bench.serve_http_bench import free_port
 from apps.experiments import embedded_ray
 from apps.report import Figure, figure, percentile
@@ -101,12 +105,23 @@ def _server(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) 
     """``replicas`` engine replicas behind ``router`` on 127.0.0.1; yields the base URL."""
     from ray import serve
 
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(_app(opts, replicas, router, scenario), name=_APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        serve.shutdown()  # type: ignore[no-untyped-call]
+
+
+def _app(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) -> Any:
+    """The Serve app of ``replicas`` engine replicas behind ``router``."""
     from actors.openai_app import build_app
 
     if opts.engine == "vllm":
         from apps.bench.route_vllm import vllm_route_app
 
-        app = vllm_route_app(opts, replicas, router, scenario)
+        return vllm_route_app(opts, replicas, router, scenario)
     args = {
         "model": opts.model,
         "storage": scenario.storage,
@@ -118,21 +133,14 @@ def _server(opts: RouteOptions, replicas: int, router: str, scenario: Scenario) 
         "served_name": SERVED,
         "route_weights": opts.route_weights,
     }
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(app if opts.engine == "vllm" else build_app(args), name=_APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
+    return build_app(args)
 
 
 def _one(opts: RouteOptions, n: int, router: str, scenario: Scenario, vocab: int) -> RouteRun:
     """One fresh app, one scenario's conversations."""
     with embedded_ray(n + scenario.ingresses), _server(opts, n, router, scenario) as url:
-        app = f"openai-{os.getpid()}"  # the deployment's name: its index is named after it
-        if opts.engine == "vllm":
-            from apps.bench.route_vllm import INDEX_APP as app
+        # the index is named after the deployment (vLLM's: after the cluster)
+        app = INDEX_APP if opts.engine == "vllm" else f"openai-{os.getpid()}"
         disrupt = (
             partial(restart_one_engine, _APP, n)
             if scenario.restart_after
