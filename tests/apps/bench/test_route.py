@@ -95,6 +95,19 @@ def test_route_options_refuse_bad_replica_counts() -> None:
             _replica_counts(bad)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [["--engine", "sglang"], ["--check", "-1"], ["--check", "many"]],
+)
+def test_bench_route_refuses_a_bad_engine_or_check_count(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "route", *flags])
+    assert exit_.value.code == 2  # argparse: refused before anything starts
+    assert flags[0] in capsys.readouterr().err
+
+
 def test_the_trace_scenario_holds_two_of_its_longest_request() -> None:
     opts = RouteOptions.quick_options()
     requests = scale(load_trace(DEFAULT_TRACE, opts.trace_requests), opts.page_size, 2)
