@@ -11,7 +11,7 @@ them into objects it owns in the background: ``flush`` waits for that); ``read_m
 asks ``locate`` for object references (unless a prefetch query's ``find`` just gave them:
 :mod:`actors.located`), fetches the objects (zero-copy on the same node; Ray moves them
 across nodes) and copies each payload into the caller's buffer while hashing it, on
-``_COPY_THREADS`` threads.
+``_COPY_THREADS`` threads for large pages and on one for pages under ``SPLIT_PAGE_BYTES``.
 
 Failures are misses: a shard that does not answer within ``timeout_s`` or died fails its
 keys (the batch stops there; a restarted shard comes back empty); an object that is lost
@@ -33,7 +33,7 @@ import xxhash
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from actors.located import Located
-from actors.page_objects import copy_items, fetch_objects, group_pages, object_items
+from actors.page_objects import copy_items, copy_shares, fetch_objects, group_pages, object_items
 from actors.shards import (
     candidate_nodes,
     check_shard_count,
@@ -58,8 +58,9 @@ __all__ = ["RayObjects", "ray_backend"]
 
 log = logging.getLogger(__name__)
 
-# Payload copies (and checksums) of one read run on this many threads; copies are bound
-# by memory bandwidth, checksums by the CPU: three beat two even on two cores here.
+# Payload copies (and checksums) of one read run on up to this many threads (pages of at
+# least SPLIT_PAGE_BYTES; smaller ones on one): copies are bound by memory bandwidth,
+# checksums by the CPU.
 _COPY_THREADS = 3
 _RETRY_S = 0.05  # a restarting shard is asked again this often (control calls only)
 
@@ -252,10 +253,8 @@ class RayObjects(ObjectStore):
                     elif i < gap:
                         where[i] = True
                         todo.append((i, obj, place[1], outs[i]))
-                for part in range(_COPY_THREADS):
-                    share = todo[part::_COPY_THREADS]
-                    if share:
-                        jobs.append(self._copiers.submit(copy_items, share, copied, check))
+                for share in copy_shares(todo, _COPY_THREADS):
+                    jobs.append(self._copiers.submit(copy_items, share, copied, check))
             for job in jobs:
                 job.result()
             outcomes: list[ReadOutcome] = []

@@ -336,3 +336,37 @@ def test_shards_an_older_version_made_are_still_queried(monkeypatch) -> None:
         assert _equal(buffers, pages)
     finally:
         stores.drop_store(opts.name)
+
+
+def test_small_pages_are_copied_in_one_job_large_ones_on_every_copy_thread() -> None:
+    page_objects = pytest.importorskip("actors.page_objects")
+    split = page_objects.SPLIT_PAGE_BYTES
+
+    def todo(page_bytes: int, n: int) -> list[Any]:
+        return [(i, [], 0, memoryview(bytearray(page_bytes))) for i in range(n)]
+
+    small = todo(split - 1, 5)
+    assert page_objects.copy_shares(small, 3) == [small]
+    large = todo(split, 5)
+    assert page_objects.copy_shares(large, 3) == [large[0::3], large[1::3], large[2::3]]
+    assert page_objects.copy_shares(large[:2], 3) == [large[:1], large[1:2]]  # none empty
+    assert page_objects.copy_shares([], 3) == []
+
+
+def test_pages_split_over_the_copy_threads_read_back_exact(options, monkeypatch) -> None:
+    plan = make_plan()
+    keys, pages = page_keys(plan, 24), make_pages(plan, 24)
+    _backend(options, plan).put(keys, pages)
+    monkeypatch.setattr("actors.page_objects.SPLIT_PAGE_BYTES", 1)  # these pages split
+    jobs: list[int] = []
+    real = ray_store.copy_items
+
+    def counting(todo: list[Any], *args: Any) -> None:
+        jobs.append(len(todo))
+        real(todo, *args)
+
+    monkeypatch.setattr(ray_store, "copy_items", counting)
+    buffers = empty_buffers(plan, 24)
+    assert _backend(options, plan).get(keys, buffers) == 24
+    assert sum(jobs) == 24 and len(jobs) >= 3  # every shard's pages on three threads
+    assert _equal(buffers, pages)
