@@ -11,7 +11,12 @@ number of blocks as this library's L1 in the same run (``num_gpu_blocks_override
 
 from __future__ import annotations
 
+import atexit
+import functools
+import getpass
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,7 @@ __all__ = [
     "VLLM_PAGE",
     "check_vllm_model",
     "vllm_app",
+    "vllm_env",
     "vllm_max_len",
     "vllm_recompute",
 ]
@@ -34,6 +40,29 @@ REPLICA_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment of the vLLM processes a bench starts: ``REPLICA_ENV``, ``extra``, and
+    a temporary folder of this process's own, removed when it exits.
+
+    vLLM names its engines' ZMQ sockets (``VLLM_RPC_BASE_PATH``) and its rendezvous files
+    (``vllm_dist_*``) in the temporary folder and leaves them when an engine is killed, as
+    Serve kills a replica's: bench runs left them in ``/tmp``. Torch's compile cache
+    stays where it was (``TORCHINDUCTOR_CACHE_DIR``), so runs keep sharing it."""
+    folder, inductor = _scratch()
+    scratch = {"TMPDIR": folder, "VLLM_RPC_BASE_PATH": folder, "TORCHINDUCTOR_CACHE_DIR": inductor}
+    return {**REPLICA_ENV, **scratch, **extra}
+
+
+@functools.cache
+def _scratch() -> tuple[str, str]:
+    """This process's folder for vLLM's temporary files (removed at exit), and torch's
+    compile cache (as set, or its default under the system's temporary folder)."""
+    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    folder = tempfile.mkdtemp(prefix="hicache-vllm-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder, os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor))
 
 
 def check_vllm_model(model: str, page_size: int) -> None:
@@ -108,7 +137,7 @@ def vllm_app(
         placement_group_config={"bundles": [{"CPU": 1}]},
         engine_kwargs=_engine_kwargs(spec, mode, blocks, max_len),
         deployment_config={"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0}},
-        runtime_env={"env_vars": REPLICA_ENV},
+        runtime_env={"env_vars": vllm_env()},
     )
     app = index or f"trace-vllm-{os.getpid()}-{mode.replace('_', '-')}"
     shared = mode == "l1_l2_l3"
@@ -124,7 +153,7 @@ def vllm_recompute(
     so that the engine goes with its process."""
     import ray
 
-    env = {**REPLICA_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     options: dict[str, Any] = {"num_cpus": 1, "max_retries": 0, "max_calls": 1}  # then it exits
     task = ray.remote(**options, runtime_env={"env_vars": env})(_recompute)
     answers: list[list[int]] = ray.get(task.remote(model, prompts, max_tokens, max_len))

@@ -7,6 +7,9 @@ skipped and a preset model refused before anything starts."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,14 @@ from apps.bench.route_bench import run_route_bench
 from hicache_ray.base.errors import ConfigError
 
 pytest.importorskip("ray.serve.llm")
+
+# What vLLM leaves in the temporary folder when Serve kills its engine: ZMQ sockets named
+# by a UUID, torch.distributed rendezvous files.
+_VLLM_LEFTOVER = re.compile(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}|vllm_dist_[0-9a-f]+")
+
+
+def _vllm_leftovers() -> set[str]:
+    return {n for n in os.listdir(tempfile.gettempdir()) if _VLLM_LEFTOVER.fullmatch(n)}
 
 
 def test_conversations_through_vllm_replicas(checkpoint: Path, tmp_path: Path) -> None:
@@ -39,7 +50,9 @@ def test_conversations_through_vllm_replicas(checkpoint: Path, tmp_path: Path) -
         turn_log=str(tmp_path / "turns.jsonl"),
     )
     lines: list[str] = []
+    before = _vllm_leftovers()
     got = {f.name: f for f in run_route_bench(opts, lines.append)}
+    assert _vllm_leftovers() <= before  # the replicas' and the recompute's went with the run
     assert any("reform skipped" in line for line in lines)
     assert not any(".reform." in name for name in got)
     assert got["route.vllm.failed_requests"].value == 0
