@@ -28,6 +28,7 @@ __all__ = [
     "check_vllm_model",
     "vllm_app",
     "vllm_env",
+    "vllm_scratch_env",
     "vllm_max_len",
     "vllm_recompute",
 ]
@@ -43,26 +44,39 @@ REPLICA_ENV = {
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
-    """The environment of the vLLM processes a bench starts: ``REPLICA_ENV``, ``extra``, and
-    a temporary folder of this process's own, removed when it exits.
+    """The environment of the vLLM processes a bench starts: ``REPLICA_ENV``, the scratch
+    folder's variables (:func:`vllm_scratch_env`) and ``extra``."""
+    return {**REPLICA_ENV, **vllm_scratch_env(), **extra}
+
+
+def vllm_scratch_env() -> dict[str, str]:
+    """Variables that point vLLM's temporary files at a folder of this process's own,
+    removed when it exits.
 
     vLLM names its engines' ZMQ sockets (``VLLM_RPC_BASE_PATH``) and its rendezvous files
-    (``vllm_dist_*``) in the temporary folder and leaves them when an engine is killed, as
-    Serve kills a replica's: bench runs left them in ``/tmp``. Torch's compile cache
-    stays where it was (``TORCHINDUCTOR_CACHE_DIR``), so runs keep sharing it."""
-    folder, inductor = _scratch()
-    scratch = {"TMPDIR": folder, "VLLM_RPC_BASE_PATH": folder, "TORCHINDUCTOR_CACHE_DIR": inductor}
-    return {**REPLICA_ENV, **scratch, **extra}
+    (``vllm_dist_*``, the temporary folder) there and leaves them when an engine is killed,
+    as Serve kills a replica's: bench and test runs left them in ``/tmp``. Ray's files
+    (``RAY_TMPDIR``) and torch's compile cache (``TORCHINDUCTOR_CACHE_DIR``) stay where
+    they were, so runs keep sharing the cache."""
+    folder, ray_dir, inductor = _scratch()
+    return {
+        "TMPDIR": folder,
+        "VLLM_RPC_BASE_PATH": folder,
+        "RAY_TMPDIR": ray_dir,
+        "TORCHINDUCTOR_CACHE_DIR": inductor,
+    }
 
 
 @functools.cache
-def _scratch() -> tuple[str, str]:
-    """This process's folder for vLLM's temporary files (removed at exit), and torch's
-    compile cache (as set, or its default under the system's temporary folder)."""
-    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+def _scratch() -> tuple[str, str, str]:
+    """This process's folder for vLLM's temporary files (removed at exit), Ray's temporary
+    folder, and torch's compile cache (as set, or their defaults)."""
+    system = tempfile.gettempdir()
+    inductor = Path(system) / f"torchinductor_{getpass.getuser()}"
     folder = tempfile.mkdtemp(prefix="hicache-vllm-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder, os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    env = os.environ
+    return folder, env.get("RAY_TMPDIR", system), env.get("TORCHINDUCTOR_CACHE_DIR", str(inductor))
 
 
 def check_vllm_model(model: str, page_size: int) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from apps.bench.vllm_apps import vllm_env
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import page_hashes
 from tests.helpers import wait_until
@@ -27,12 +28,6 @@ ray = pytest.importorskip("ray")
 llm_api = pytest.importorskip("ray.serve.llm")
 
 APP = "vllm-cluster-test"
-REPLICA_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # AsyncLLM runs its engine core apart
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}
 
 
 MAX_LEN = 512  # the checkpoint's positions
@@ -50,7 +45,7 @@ def _config(checkpoint: Path, root: Path, **engine: Any) -> Any:
         placement_group_config={"bundles": [{"CPU": 1}]},
         engine_kwargs=kwargs,
         deployment_config={"num_replicas": 2},
-        runtime_env={"env_vars": REPLICA_ENV},
+        runtime_env={"env_vars": vllm_env()},  # AsyncLLM: its engine core apart
     )
 
 

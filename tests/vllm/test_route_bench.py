@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from apps.bench.options import RouteOptions
 from apps.bench.route_bench import run_route_bench
+from apps.bench.vllm_apps import vllm_scratch_env
 from hicache_ray.base.errors import ConfigError
 
 pytest.importorskip("ray.serve.llm")
@@ -26,7 +26,9 @@ _VLLM_LEFTOVER = re.compile(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}|vllm_dis
 
 
 def _vllm_leftovers() -> set[str]:
-    return {n for n in os.listdir(tempfile.gettempdir()) if _VLLM_LEFTOVER.fullmatch(n)}
+    """vLLM's files in the system's temporary folder (where the run's scratch folder is)."""
+    system = Path(vllm_scratch_env()["TMPDIR"]).parent
+    return {n for n in os.listdir(system) if _VLLM_LEFTOVER.fullmatch(n)}
 
 
 def test_conversations_through_vllm_replicas(checkpoint: Path, tmp_path: Path) -> None:

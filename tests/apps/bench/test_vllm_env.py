@@ -4,6 +4,7 @@ leaves them behind when Serve kills a replica)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ def test_vllm_processes_share_one_private_temporary_folder() -> None:
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # what the caller sets wins
     assert all(env[k] == v for k, v in REPLICA_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING")
     assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(folder))  # the cache is kept
+    assert env["RAY_TMPDIR"] == os.environ.get("RAY_TMPDIR", tempfile.gettempdir())  # Ray's too
 
 
 def test_the_folder_goes_when_the_bench_exits() -> None:
