@@ -28,9 +28,9 @@ __all__ = [
     "check_vllm_model",
     "vllm_app",
     "vllm_env",
-    "vllm_scratch_env",
     "vllm_max_len",
     "vllm_recompute",
+    "vllm_scratch_env",
 ]
 
 VLLM_PAGE = 32  # vLLM's CPU kernels take block sizes in multiples of 32
