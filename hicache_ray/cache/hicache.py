@@ -33,7 +33,7 @@ from hicache_ray.cache.memory import (
     default_device,
     host_memory_budget,
 )
-from hicache_ray.cache.tree import HiRadixTree, TreeNode, write_rule
+from hicache_ray.cache.tree import HiRadixTree, InsertResult, TreeNode, write_rule
 
 __all__ = ["HiCache"]
 
@@ -163,21 +163,16 @@ class HiCache(HostLoads):
         self.device_pool.allocator.free(result.duplicate_pages + spare)
         self._num_private_pages -= handle.num_reserved_pages
         handle.finished = True
-        early = self._prompt_nodes(handle)
         self.tree.unlock(handle.locked_node)
-        self._write_wanted([*early, *result.new_nodes, *result.adopted_nodes])
+        self._write_inserted(result)
         return num_pages * self.page_size
 
     def cache_prompt(self, handle: CacheHandle, key: bytes) -> int:
         """Insert the whole pages of a running request's computed prompt (``key``, as tree
-        key bytes) now, not at :meth:`finish`: requests admitted while it runs hit them.
+        key bytes) now, not at :meth:`finish`: requests admitted while it decodes hit them.
         The tree takes the pages, the request keeps them locked, and ``finish`` finds them
         in the tree. Skipped where the tree holds part of them in other pages (another
-        request's copy: ``finish`` frees the duplicates then). Returns the pages taken.
-
-        The write policy still acts at the request's end (``finish`` or ``release``): its
-        L1 -> L2 copies (and so the L3 backups after them) running beside the request's own
-        decode slowed decoding on CPU (trace replay: ITL p50 +10 %)."""
+        request's copy: ``finish`` frees the duplicates then). Returns the pages taken."""
         owned = len(handle.device_pages) - handle.num_reserved_pages  # the tree's already
         num_pages = min(len(key) // (4 * self.page_size), len(handle.device_pages))
         if handle.finished or handle.loads or num_pages <= owned:
@@ -197,7 +192,7 @@ class HiCache(HostLoads):
         self._num_private_pages -= taken
         handle.extra_pages = []  # the tree's now
         self.counters.prompt_pages_cached += taken
-        handle.prompt_cached = True
+        self._write_inserted(result)
         return taken
 
     def release(self, handle: CacheHandle) -> None:
@@ -209,15 +204,7 @@ class HiCache(HostLoads):
         self.device_pool.allocator.free(reserved)
         self._num_private_pages -= handle.num_reserved_pages
         handle.finished = True
-        early = self._prompt_nodes(handle)
         self.tree.unlock(handle.locked_node)
-        self._write_wanted(early)
-
-    def _prompt_nodes(self, handle: CacheHandle) -> list[TreeNode]:
-        """The path to the prompt pages :meth:`cache_prompt` inserted for ``handle`` (none
-        if it inserted none), parents first: at the request's end the write policy acts on
-        them (walked then: other inserts may have split them meanwhile)."""
-        return self.tree.path(handle.locked_node) if handle.prompt_cached else []
 
     # ------------------------------------------------------------- background
 
@@ -306,9 +293,9 @@ class HiCache(HostLoads):
             self.counters.host_evicted_pages += len(freed)
         return alloc.allocate(num_pages)
 
-    def _write_wanted(self, nodes: list[TreeNode]) -> None:
-        """Apply the write policy to ``nodes`` (parents first)."""
-        written = [n for n in nodes if self.rule.wants_write(n)]
+    def _write_inserted(self, result: InsertResult) -> None:
+        """Apply the write policy to the nodes an insert made or gave device pages to."""
+        written = [n for n in result.new_nodes + result.adopted_nodes if self.rule.wants_write(n)]
         if written:
             self._write(written)
 

@@ -271,6 +271,7 @@ class RankRuntime:
         ids = torch.tensor([t for seq, n in batch for t in seq.next_tokens(n)], dtype=torch.long)
         segments = [seq.segment(n) for seq, n in batch]
         sampled = [i for i, (seq, n) in enumerate(batch) if seq.samples_after(n)]
+        prefilling = {id(seq) for seq, _ in batch if not seq.prefilled}
         ends = torch.tensor([n for _, n in batch]).cumsum(0) - 1
         rows = [int(ends[i]) for i in sampled]
         first = [seq for seq, _ in batch if seq.loads]
@@ -306,11 +307,12 @@ class RankRuntime:
             seq.result.load_s = max((t.latency_s or 0.0 for t in seq.loads), default=0.0)
             seq.loads = []
         now = time.perf_counter()
-        for seq, n in batch:
+        for seq, _ in batch:
             if not seq.generated:  # a prefill step (or the one that samples its first token)
                 split = seq.result.ttft_split
                 split.forward_s += forward
                 split.load_s += now - began - forward
+        for seq, n in batch:
             seq.computed += n
         for i, token in zip(sampled, tokens, strict=True):
             seq = batch[i][0]
@@ -322,7 +324,7 @@ class RankRuntime:
         for seq, _ in batch:
             if seq.done:
                 self._finish(seq)
-            elif len(seq.generated) <= 1:  # a prefill step: more of its prompt computed
+            elif id(seq) in prefilling:  # more of its prompt computed
                 self._cache_prompt(seq)
 
     def _keep(
