@@ -260,9 +260,7 @@ def test_pages_being_backed_up_leave_the_device_for_a_new_request() -> None:
     """A backup to L3 reads the host copy: it pins the host slots, not the device pages,
     so a request that needs the device pool evicts them instead of failing."""
     rt = runtime(MemoryObjects(), faults=(Fault(op="write", kind="delay", delay_s=0.3),))
-    # 30 of the 64 pages; one token, so its backup starts at its end (a longer answer's
-    # prompt is written while it decodes, and its backup can be over before it ends)
-    warm = run(rt, GenerateRequest("warm", prompt(1, 120), 1))
+    warm = run(rt, GenerateRequest("warm", prompt(1, 120), 4))  # 31 of the 64 pages
     assert warm.error is None
     for _ in range(100):  # until its (slow) backup is in flight
         if rt.ctl.acks.pending_backups:
