@@ -103,6 +103,10 @@ class CacheStats(msgspec.Struct, kw_only=True):
     write_skipped_host_full: Annotated[
         int, counter("l1_to_l2_skipped_l2_full", "Writes skipped: L2 had no room (writes)")
     ] = 0
+    prompt_pages_cached: Annotated[
+        int,
+        counter("prompt_pages_cached", "Prompt pages in the tree while their request ran (pages)"),
+    ] = 0
 
     def snapshot(self) -> CacheStats:
         """An independent copy."""

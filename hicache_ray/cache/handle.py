@@ -45,6 +45,7 @@ class CacheHandle:
     finished: bool = False
     prompt_key: bytes = b""
     salt: str = ""
+    prompt_cached: bool = False  # HiCache.cache_prompt put some of its prompt in the tree
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_cached_tokens

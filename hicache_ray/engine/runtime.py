@@ -12,7 +12,9 @@ Every rank of a deployment runs :meth:`RankRuntime.step` in lock step; rank 0 al
    forward) and reserves device pages for the rest of its prompt and its answer;
 4. one forward computes a batch: every running request's next token, then chunks of the
    prefills (oldest first) up to ``max_step_tokens``; the tokens are sampled on the last
-   stage and broadcast, so every rank appends the same ones;
+   stage and broadcast, so every rank appends the same ones; the whole pages of the
+   prompt computed so far go into the tree (``HiCache.cache_prompt``), for the requests
+   that share them while this one still runs;
 5. a request that reached ``max_new_tokens``, an EOS or a stop token inserts the KV of its
    prompt and answer into the cache and releases its locks.
 
@@ -37,7 +39,7 @@ import torch
 
 from hicache_ray.base.config import SchedulerConfig
 from hicache_ray.base.errors import CollectiveError
-from hicache_ray.base.tokens import encode_tokens
+from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
 from hicache_ray.cache.controller import CacheController, PrefixClaim
 from hicache_ray.engine.model import ReferenceModel
 from hicache_ray.engine.model.pipe import StageExecutor
@@ -55,7 +57,7 @@ from hicache_ray.engine.request import (
     failed_result,
 )
 from hicache_ray.engine.sampling import RequestSampler
-from hicache_ray.engine.scheduler import Phase, RankRequest, RequestTable, plan_batch
+from hicache_ray.engine.scheduler import Phase, RankRequest, RequestTable, plan_batch, split_start
 
 __all__ = ["GenerateRequest", "RankRuntime", "RequestResult", "StepOutput"]
 
@@ -215,7 +217,7 @@ class RankRuntime:
         request = seq.request
         started = time.perf_counter()
         seq.result.prefetch_s = started - seq.received_at
-        _split_start(seq, started)
+        split_start(seq, started)
         max_pages = (len(request.tokens) - 1) // self.page_size if self.reuse_prefix else 0
         handle = self.ctl.take(seq.claim, max_pages=max_pages)
         self.table.start(seq, handle)  # from here, dropping it releases the handle
@@ -304,12 +306,11 @@ class RankRuntime:
             seq.result.load_s = max((t.latency_s or 0.0 for t in seq.loads), default=0.0)
             seq.loads = []
         now = time.perf_counter()
-        for seq, _ in batch:
+        for seq, n in batch:
             if not seq.generated:  # a prefill step (or the one that samples its first token)
                 split = seq.result.ttft_split
                 split.forward_s += forward
                 split.load_s += now - began - forward
-        for seq, n in batch:
             seq.computed += n
         for i, token in zip(sampled, tokens, strict=True):
             seq = batch[i][0]
@@ -321,6 +322,8 @@ class RankRuntime:
         for seq, _ in batch:
             if seq.done:
                 self._finish(seq)
+            elif len(seq.generated) <= 1:  # a prefill step: more of its prompt computed
+                self._cache_prompt(seq)
 
     def _keep(
         self, batch: list[tuple[RankRequest, int]], sampled: list[int]
@@ -335,6 +338,14 @@ class RankRuntime:
     def first_logits(self) -> dict[str, torch.Tensor]:
         """The logits of each request's first token (tests)."""
         return {rid: rows[0] for rid, rows in self.logits.items() if rows}
+
+    def _cache_prompt(self, seq: RankRequest) -> None:
+        """The whole pages of its prompt computed so far into the tree now (each prefill
+        chunk's), for the requests that share them; it keeps them locked."""
+        assert seq.handle is not None
+        seq.handle.prompt_key = seq.handle.prompt_key or encode_tokens(seq.request.tokens)
+        computed = min(seq.computed, len(seq.request.tokens)) * TOKEN_BYTES
+        self.ctl.cache_prompt(seq.handle, seq.handle.prompt_key[:computed])
 
     def _finish(self, seq: RankRequest) -> None:
         assert seq.handle is not None
@@ -377,23 +388,3 @@ class RankRuntime:
 
 def _aborted(rid: str) -> RequestResult:
     return RequestResult(rid=rid, finish_reason=FinishReason.ABORT)
-
-
-def _split_start(seq: RankRequest, started: float) -> None:
-    """The parts of ``seq``'s TTFT up to its start, from the times its admitting step, L3
-    query and reads began and ended (each clamped into order, so the parts are disjoint)."""
-    split = seq.result.ttft_split
-    step_at = min(max(seq.admit_step_at, seq.received_at), started)
-    admitted = min(max(seq.arrived_at, step_at), started)
-    task = seq.claim.task if seq.claim is not None else None
-    queried = read_from = read_to = admitted
-    if task is not None and task.queried_at:
-        queried = min(max(task.queried_at, admitted), started)
-        read_from = read_to = queried
-        if task.read_started_at and task.read_done_at:
-            read_from = min(max(task.read_started_at, queried), started)
-            read_to = min(max(task.read_done_at, read_from), started)
-    split.queue_s = step_at - seq.received_at if seq.admit_step_at else admitted - seq.received_at
-    split.query_s = queried - admitted
-    split.prefetch_s = read_to - read_from
-    split.agreement_s = (admitted - step_at) + (read_from - queried) + (started - read_to)

@@ -42,7 +42,7 @@ from hicache_ray.engine.request import (
 )
 from hicache_ray.engine.sampling import RequestSampler
 
-__all__ = ["Phase", "RankRequest", "RequestTable", "plan_batch"]
+__all__ = ["Phase", "RankRequest", "RequestTable", "plan_batch", "split_start"]
 
 
 class Phase(enum.Enum):
@@ -251,3 +251,23 @@ def plan_batch(running: list[RankRequest], max_step_tokens: int) -> list[tuple[R
             budget -= n
             batch.append((r, n))
     return batch
+
+
+def split_start(seq: RankRequest, started: float) -> None:
+    """The parts of ``seq``'s TTFT up to its start, from the times its admitting step, L3
+    query and reads began and ended (each clamped into order, so the parts are disjoint)."""
+    split = seq.result.ttft_split
+    step_at = min(max(seq.admit_step_at, seq.received_at), started)
+    admitted = min(max(seq.arrived_at, step_at), started)
+    task = seq.claim.task if seq.claim is not None else None
+    queried = read_from = read_to = admitted
+    if task is not None and task.queried_at:
+        queried = min(max(task.queried_at, admitted), started)
+        read_from = read_to = queried
+        if task.read_started_at and task.read_done_at:
+            read_from = min(max(task.read_started_at, queried), started)
+            read_to = min(max(task.read_done_at, read_from), started)
+    split.queue_s = step_at - seq.received_at if seq.admit_step_at else admitted - seq.received_at
+    split.query_s = queried - admitted
+    split.prefetch_s = read_to - read_from
+    split.agreement_s = (admitted - step_at) + (read_from - queried) + (started - read_to)

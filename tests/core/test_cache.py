@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from apps.bench.synthetic_engine import check_prefix, compute, serve
 from hicache_ray.base.errors import HiCacheError
+from hicache_ray.base.tokens import encode_tokens
 from hicache_ray.cache.handle import CacheFullError, CacheHandle
 from hicache_ray.cache.hicache import HiCache
 from hicache_ray.cache.memory import HostPool
@@ -150,6 +151,7 @@ class CacheMachine(RuleBasedStateMachine):
             device_tokens=24, hicache_ratio=ratio, write_policy=self.policy, mem_layout=self.layout
         )
         self.open: list[tuple[CacheHandle, list[int]]] = []
+        self.computed: set[int] = set()  # ids of open handles whose tokens are computed
 
     def teardown(self) -> None:
         if hasattr(self, "cache"):
@@ -170,12 +172,29 @@ class CacheMachine(RuleBasedStateMachine):
         self.open.append((h, tokens))
 
     @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def cache_prompt(self, data: st.DataObject) -> None:
+        """A running request's prompt into the tree before it finishes (its prefill done)."""
+        h, tokens = self.open[data.draw(st.integers(0, len(self.open) - 1))]
+        if id(h) in self.computed:
+            return
+        try:
+            compute(self.cache, h, tokens)
+        except CacheFullError:
+            return
+        self.computed.add(id(h))
+        self.cache.cache_prompt(h, encode_tokens(tokens))
+
+    @precondition(lambda self: self.open)
     @rule(data=st.data(), commit=st.booleans())
     def close_request(self, data: st.DataObject, commit: bool) -> None:
         h, tokens = self.open.pop(data.draw(st.integers(0, len(self.open) - 1)))
+        computed = id(h) in self.computed
+        self.computed.discard(id(h))
         if commit:
             try:
-                compute(self.cache, h, tokens)
+                if not computed:
+                    compute(self.cache, h, tokens)
             except CacheFullError:
                 self.cache.release(h)
                 return

@@ -6,8 +6,7 @@ The scheduler loop of every rank calls, in the same order on every rank::
     claims += result.admitted                     # the caller keeps the claims, in order
     for claim in result.runnable:                 # agreed: identical on every rank
         handle = ctl.take(claim)                  # lock + load the agreed prefix
-        claims.remove(claim)                      # then reserve, compute, finish
-        ...
+        claims.remove(claim)                      # reserve, compute, cache_prompt, finish
 
 The controller keeps no registry of requests: it hands out a :class:`PrefixClaim` per
 admitted request and describes, each step, the claims its caller passes back (``pending``:
@@ -51,9 +50,8 @@ from hicache_ray.storage import StorageBackend, create_backend
 
 __all__ = ["ARRIVAL_QUERY_WAIT_S", "CacheController", "StepResult"]
 
-# How long a step that admits requests waits for their L3 queries before it agrees on them:
-# a query that ends in time lets its request run in this step; a slow or dead store costs
-# this once per step, never more.
+# How long a step that admits requests waits for their L3 queries before it agrees on them
+# (one that ends in time runs in this step); a slow or dead store costs it once per step.
 ARRIVAL_QUERY_WAIT_S = 0.005
 
 
@@ -294,8 +292,7 @@ class CacheController:
 
     @property
     def prefetching(self) -> bool:
-        """This rank's own L3 queries or reads for admitted requests run (their end wakes
-        the step loop)."""
+        """This rank's own L3 queries or reads run (their end wakes the step loop)."""
         return self.claims.local_work
 
     @property
@@ -326,6 +323,9 @@ class CacheController:
 
     def finish(self, handle: CacheHandle, tokens: TokenIds) -> int:
         return self.cache.finish(handle, tokens)
+
+    def cache_prompt(self, handle: CacheHandle, key: bytes) -> int:
+        return self.cache.cache_prompt(handle, key)
 
     def release(self, handle: CacheHandle) -> None:
         self.cache.release(handle)
