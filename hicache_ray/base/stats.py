@@ -144,6 +144,14 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     prefetch_query_failures: Annotated[
         int, counter("l3_query_failures", "L3 existence queries that failed (queries)")
     ] = 0
+    prefetch_queries_skipped: Annotated[
+        int,
+        counter(
+            "l3_queries_skipped_cheaper_to_compute",
+            "L3 lookups not made: computing the remainder was expected to take less time "
+            "than the lookup and its reads (queries)",
+        ),
+    ] = 0
     unfulfilled_tokens: Annotated[
         dict[str, int],
         counter(

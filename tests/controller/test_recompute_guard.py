@@ -1,5 +1,5 @@
-"""The recompute guard: an L3 read never keeps a request waiting longer than computing
-its tokens would, as the rank measures both (``prefetch.recompute_guard``)."""
+"""The recompute guard: an L3 lookup or read never keeps a request waiting longer than
+computing its tokens would, as the rank measures both (``prefetch.recompute_guard``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,45 @@ def test_the_cost_model_weighs_reads_against_compute() -> None:
     assert cost.worth_reading(1, 40)
     cost.note_read(10, 0.0001)  # the moving average follows, weighted
     assert cost.s_per_page == pytest.approx(0.75 * 0.01 + 0.25 * 0.00001)
+
+
+def test_the_cost_model_weighs_lookups_against_compute() -> None:
+    cost = CostModel()
+    assert cost.worth_querying(1, 16)  # nothing measured: look up any page
+    cost.note_forward(100, 0.1)  # 1 ms a token
+    assert cost.worth_querying(1, 16)  # lookups unmeasured yet
+    cost.note_query(0.0)  # says nothing
+    assert cost.s_per_query == 0.0
+    cost.note_query(0.01)  # 10 ms from admission to the answer
+    assert cost.worth_querying(1, 16)  # 16 ms of compute against 10 ms
+    assert not cost.worth_querying(1, 8)  # 8 ms of compute: computing is sooner
+    cost.note_read(1, 0.01)  # and 10 ms a page read
+    assert not cost.worth_querying(1, 16)  # 16 ms against 10 + 10 ms
+    assert cost.worth_querying(2, 64)  # 64 ms against 10 + 20 ms
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_lookup_slower_than_compute_is_skipped(guard: bool) -> None:
+    objects = MemoryObjects()
+    tokens = prompt(5, 40)
+    stored(objects, tokens)
+    reader = _reader(objects, guard, FakeClock())
+    reader.claims.cost.note_forward(1000, 0.001)  # 1 us a token: 40 us for this prompt
+    reader.claims.cost.note_query(1.0)  # a lookup answers in 1 s
+    reader.step([Arrival("r", tokens)])
+    assert (reader.known["r"].task is None) == guard  # no lookup at all
+    while "r" not in reader.step().runnable:
+        pass
+    handle = reader.take("r")
+    reader.wait_ready(handle, timeout=30)
+    assert handle.num_cached_tokens == (0 if guard else 40)
+    assert reader.stats().prefetch_queries_skipped == int(guard)
+    if not guard:  # the lookup that ran was measured (moving average, from 1 s)
+        assert reader.claims.cost.s_per_query < 1.0
+    reader.release(handle)
+    drain(reader)
+    reader.check_integrity()
+    reader.close()
 
 
 def _reader(objects: MemoryObjects, guard: bool, clock: FakeClock) -> CacheController:

@@ -87,7 +87,10 @@ def test_defaults_match_design() -> None:
     assert c.memory.page_size == 64 and c.memory.hicache_ratio == 2.0
     assert c.write.policy == "write_through" and c.write.effective_threshold == 1
     assert WriteConfig(policy="write_through_selective").effective_threshold == 2
-    assert c.prefetch.policy == "timeout" and c.prefetch.threshold_tokens == 256
+    # design.md's 256-token floor gave way to the recompute guard's measured rule (issue 42:
+    # a lookup for every admitted request whose prefix L3 holds, unless computing is faster)
+    assert c.prefetch.policy == "timeout" and c.prefetch.threshold_tokens == 0
+    assert c.prefetch.recompute_guard
     assert c.prefetch.timeout_s(1024) == pytest.approx(2.1)
     assert c.prefetch.timeout_s(10**9) == 30.0
     assert c.storage.batch_size_pages == 128 and c.storage.key_scheme == "unified"

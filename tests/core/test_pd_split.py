@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from hicache_ray.base.config import CacheConfig, MemoryConfig
+from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.base.storage_config import RayStorageOptions, StorageConfig
 from hicache_ray.engine.spec import DeploymentConfig
@@ -79,9 +79,13 @@ def test_a_bad_policy_is_refused_naming_its_field(field: str, value: Any) -> Non
         SplitPolicy(**{field: value})
 
 
-def _base(name: str = "pd", page: int = 4, store: str = "pd-store") -> DeploymentConfig:
+def _base(
+    name: str = "pd", page: int = 4, store: str = "pd-store", threshold: int = 0
+) -> DeploymentConfig:
     storage = StorageConfig(backend="ray", model_id="m", ray=RayStorageOptions(name=store))
-    cache = CacheConfig(memory=MemoryConfig(page_size=page, device_tokens=512), storage=storage)
+    memory = MemoryConfig(page_size=page, device_tokens=512)
+    prefetch = PrefetchConfig(threshold_tokens=threshold)
+    cache = CacheConfig(memory=memory, storage=storage, prefetch=prefetch)
     return DeploymentConfig(name=name, cache=cache)
 
 
@@ -93,12 +97,14 @@ def test_a_pair_shares_its_store_across_both_sides_sizes() -> None:
     assert p.cache.storage.share_tp == d.cache.storage.share_tp == (1, 2)
     assert p.cache.storage.share_pp == (1, 2)
     # decode looks every handed-off prompt up in L3; prefill keeps the base's threshold
-    assert d.cache.prefetch.threshold_tokens == 256 == p.cache.prefetch.threshold_tokens
-    low = PDConfig.pair(_base(), policy=SplitPolicy(min_uncached_tokens=64))
+    assert d.cache.prefetch.threshold_tokens == 0 == p.cache.prefetch.threshold_tokens
+    high = PDConfig.pair(_base(threshold=256)).prefill  # a floor set by hand
+    assert high.cache.prefetch.threshold_tokens == 256
+    low = PDConfig.pair(_base(threshold=256), policy=SplitPolicy(min_uncached_tokens=64))
     assert low.decode.cache.prefetch.threshold_tokens == 64
     with pytest.raises(ConfigError, match=r"decode\.prefetch\.threshold_tokens"):
         PDConfig(
-            prefill=low.prefill, decode=msgspec.structs.replace(p, name="d"), policy=low.policy
+            prefill=low.prefill, decode=msgspec.structs.replace(high, name="d"), policy=low.policy
         )
 
 

@@ -1,6 +1,6 @@
 """The cache controller: consensus across ranks and the write/load/prefetch/backup pipelines."""
 
-from hicache_ray.cache.controller.claims import PrefixClaim
+from hicache_ray.cache.controller.claim import PrefixClaim
 from hicache_ray.cache.controller.consensus import (
     Consensus,
     ConsensusError,

@@ -19,110 +19,25 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from hicache_ray.base.config import CacheConfig, PrefetchPolicy
+from hicache_ray.base.config import CacheConfig
 from hicache_ray.base.errors import HiCacheError
 from hicache_ray.base.stats import ControllerStats, Unfulfilled
 from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
 from hicache_ray.cache.controller.backup import BackupTask
+from hicache_ray.cache.controller.claim import FACTS, Facts, PrefixClaim
 from hicache_ray.cache.controller.cost import CostModel
 from hicache_ray.cache.controller.failure import Failure
 from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.cache.controller.protocol import ArrivalLike
 from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.cache.hicache import HiCache
-from hicache_ray.cache.tree import TreeNode
 
 if TYPE_CHECKING:
     from hicache_ray.cache.controller.prefetch import PrefetchPipeline
 
-__all__ = ["Claims", "Facts", "PrefixClaim"]
-
-
-class Facts(NamedTuple):
-    """One request's facts in the step vector, in this order (MIN-agreed across ranks).
-
-    Attributes:
-        ready: leading pages in L1/L2 here (read from L3 included).
-        total: leading pages in L1/L2/L3 here; -1 while the storage query runs.
-        finished: 1 when this rank's reads are done (the MIN: every rank's).
-        timed_out: -1 when the prefetch deadline passed (negated: the MIN is "any rank").
-    """
-
-    ready: int
-    total: int
-    finished: int
-    timed_out: int
-
-
-FACTS = len(Facts._fields)  # integers per request in the step vector
-
-
-class PrefixClaim:
-    """One admitted request's claim on its cached prefix, from admission to ``take`` or
-    ``cancel``: the tree node it locks, its L3 prefetch, and the facts agreed for it.
-
-    The controller hands it out (:meth:`CacheController.step`) and keeps no registry of its
-    own: the scheduler's request table holds it and passes the claims of its admitted
-    requests back to every step, in admission order.
-
-    Attributes:
-        arrival: the request as the step broadcast it (of the controller's arrival type).
-        rid: its id.
-        agreed: the facts every rank agreed for it at the last exchange (None: not yet).
-    """
-
-    __slots__ = (
-        "admitted_at",
-        "agreed",
-        "agreed_on_arrival",
-        "arrival",
-        "cached",
-        "deadline",
-        "done",
-        "fetch_started",
-        "final",
-        "key",
-        "node",
-        "prompt_key",
-        "rid",
-        "task",
-    )
-
-    def __init__(
-        self, arrival: ArrivalLike, prompt_key: bytes, whole_bytes: int, node: TreeNode, cached: int
-    ) -> None:
-        self.arrival = arrival
-        self.rid = arrival.rid
-        self.prompt_key = prompt_key  # the prompt encoded once, reused at take and finish
-        self.key = prompt_key[:whole_bytes]  # its whole pages
-        self.node = node  # locked from admission to take
-        self.cached = cached
-        self.task: FetchTask | None = None
-        self.agreed: Facts | None = None
-        self.agreed_on_arrival = False  # only the admitting step's round has agreed yet
-        self.fetch_started = False
-        self.final: Facts | None = None  # facts that can no longer change
-        self.admitted_at = 0.0
-        self.deadline = math.inf
-        self.done = False  # taken or cancelled
-
-    @property
-    def agreed_ready(self) -> int:
-        """Pages every rank holds in L1/L2 as of the last step (-1: not agreed yet)."""
-        return -1 if self.agreed is None else self.agreed.ready
-
-    def runnable(self, policy: PrefetchPolicy) -> bool:
-        """Whether the prefetch ``policy`` lets the request run now (from agreed facts only)."""
-        facts = self.agreed
-        if facts is None:
-            return False
-        if policy == "timeout" and facts.timed_out < 0:
-            return True
-        # best_effort gives a query one step (as long as a forward) before it gives up
-        effort = policy == "best_effort" and not self.agreed_on_arrival
-        return effort or facts.finished == 1
+__all__ = ["Claims", "PrefixClaim"]  # PrefixClaim: defined in .claim
 
 
 class Claims:
@@ -223,7 +138,12 @@ class Claims:
         c.admitted_at = self._clock()
         prefetch = self._config.prefetch
         past = len(arrival.tokens) - cached * ps
-        if self._prefetch is not None and whole > cached and past >= prefetch.threshold_tokens:
+        if (
+            self._prefetch is not None
+            and whole > cached
+            and past >= prefetch.threshold_tokens
+            and self._query_pays(whole - cached)
+        ):
             salt = arrival.cache_salt or self._config.storage.tenant_salt
             c.task = FetchTask(c.key, whole, cached, salt)
             self._tasks.add(c.task)
@@ -237,6 +157,14 @@ class Claims:
                 c.deadline = c.admitted_at + wait_s
         self._stats.requests += 1
         return c
+
+    def _query_pays(self, pages: int) -> bool:
+        """Whether an L3 lookup of ``pages`` pages pays, by the guard's rates (a skipped
+        one is counted)."""
+        if not self._guarded or self.cost.worth_querying(pages, pages * self._page_size):
+            return True
+        self._stats.prefetch_queries_skipped += 1
+        return False
 
     def _reserve(self, c: PrefixClaim) -> None:
         """Make ``c``'s task eager: host slots for every page past its hit, when that many
@@ -383,6 +311,8 @@ class Claims:
         stats.prefetch_latency_s += self._clock() - c.admitted_at
         if task.failure is Failure.QUERY_FAILED:
             stats.prefetch_query_failures += 1
+        elif task.queried_at:
+            self.cost.note_query(task.queried_at - task.created_at)
         if c.agreed is None:
             return
         if task.eager and 0 <= c.agreed.total < task.local_total:  # what a peer lacks

@@ -41,6 +41,7 @@ class FetchTask:
         # perf_counter times of the query's end, the reads' start and end (0: not yet):
         # where an L3 hit's time to first token went (RequestResult.ttft_split)
         self.queried_at = self.read_started_at = self.read_done_at = 0.0
+        self.created_at = time.perf_counter()  # its query is submitted as it is made
 
     def mark_queried(self) -> None:
         """The query thread is done with this task (its ``local_total`` is set)."""
