@@ -218,11 +218,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         max_running: requests running (prefilling or decoding) at once.
         max_queued: requests waiting to start (for room in the device pool or for their
             prefetches) at once; a request past it is refused as overloaded.
+        hold_siblings: keep a request queued while one admitted before it has not yet
+            computed (or taken from a cache) the prompt pages they share, so it hits them
+            when admitted instead of computing them again beside it (``engine/hold.py``).
     """
 
     max_step_tokens: int = 2048
     max_running: int = 256
     max_queued: int = 1024
+    hold_siblings: bool = True
 
     def __post_init__(self) -> None:
         check_types(self, "scheduler.")

@@ -41,6 +41,8 @@ from hicache_ray.base.config import SchedulerConfig
 from hicache_ray.base.errors import CollectiveError
 from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
 from hicache_ray.cache.controller import CacheController, PrefixClaim
+from hicache_ray.cache.tree.peek import cached_pages
+from hicache_ray.engine.hold import SiblingHold
 from hicache_ray.engine.model import ReferenceModel
 from hicache_ray.engine.model.pipe import StageExecutor
 from hicache_ray.engine.request import (
@@ -107,6 +109,12 @@ class RankRuntime:
         self._pool_tokens = controller.device_pool.num_tokens
         pages = controller.device_pool.num_pages
         self.table = RequestTable(pages, self.page_size, sched.max_queued)
+        tree = controller.cache.tree
+        self._hold = (  # rank 0 holds a request while one ahead computes their prefix
+            SiblingHold(self.page_size, lambda r: cached_pages(tree, r.tokens, r.cache_salt))
+            if reuse_prefix and sched.hold_siblings
+            else None
+        )
         self._aborts: list[str] = []  # rank 0: aborted by callers, for the next step
         self._out = StepOutput()
 
@@ -171,7 +179,7 @@ class RankRuntime:
     @property
     def has_runnable_work(self) -> bool:
         """Work for the next step now (not only requests waiting on prefetches)."""
-        return bool(self.table.running or self._aborts or self.table.ready())
+        return bool(self.table.running or self._aborts or self.table.ready(self._hold))
 
     @property
     def num_queued(self) -> int:
@@ -180,7 +188,7 @@ class RankRuntime:
 
     def step(self) -> StepOutput:
         """One scheduler iteration (every rank); returns what it finished and generated."""
-        arrivals = self.table.admit()
+        arrivals = self.table.admit(self._hold)
         aborts, self._aborts = self._aborts, []
         began = time.perf_counter()
         agreed = self.ctl.step(arrivals, aborts, pending=self.table.claims())

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hicache_ray.cache.controller import PrefixClaim
 from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.cache.memory import Transfer
+from hicache_ray.engine.hold import SCAN_HELD, SiblingHold
 from hicache_ray.engine.model.transformer import Segment
 from hicache_ray.engine.request import (
     ErrorKind,
@@ -181,26 +183,48 @@ class RequestTable:
         del self._records[rid]
         return True
 
-    def ready(self) -> bool:
-        """The oldest queued request fits now."""
-        return bool(self._queue) and self._used + self.footprint(self._queue[0].request) <= (
-            self.num_pages
-        )
+    def ready(self, hold: SiblingHold | None = None) -> bool:
+        """A queued request fits now and is not held (by ``hold``)."""
+        return bool(self._admissible(hold, admit=False))
 
-    def admit(self) -> list[GenerateRequest]:
-        """Take the oldest queued requests that fit the pool next to the admitted ones, for
-        this step to broadcast (their records become ``ADMITTED`` when it agrees them)."""
-        out = []
-        while self._queue:
-            record = self._queue[0]
+    def admit(self, hold: SiblingHold | None = None) -> list[GenerateRequest]:
+        """Take the oldest queued requests that fit the pool next to the admitted ones and
+        that ``hold`` does not keep waiting for a request ahead (:mod:`.hold`), for this
+        step to broadcast (their records become ``ADMITTED`` when it agrees them)."""
+        return self._admissible(hold, admit=True)
+
+    def _admissible(self, hold: SiblingHold | None, *, admit: bool) -> list[GenerateRequest]:
+        """The queued requests admitted now, oldest first (``admit``: taken off the queue,
+        their footprints counted; else only the first one, nothing changed)."""
+        out: list[GenerateRequest] = []
+        used, held = self._used, 0
+        for record in list(self._queue):
             need = self.footprint(record.request)
-            if self._used + need > self.num_pages:
+            if used + need > self.num_pages or held > SCAN_HELD:
                 break
-            self._queue.popleft()
-            record.footprint = need
-            self._used += need
+            if hold is not None and hold.held(record.request, self._ahead(out)):
+                held += 1
+                continue
             out.append(record.request)
+            if not admit:
+                break
+            self._queue.remove(record)
+            record.footprint = need
+            self._used = used = used + need
         return out
+
+    def _ahead(self, picked: list[GenerateRequest]) -> Iterator[tuple[GenerateRequest, int]]:
+        """Requests ahead of a queued one that may still compute pages of their prompt, each
+        with the leading pages it has (its cached or computed ones; 0 for those picked in
+        this admission: they share with it what its own cache holds)."""
+        page = self.page_size
+        for r in self.running:
+            if not r.prefilled:
+                yield r.request, r.computed // page
+        for r in self._admitted.values():
+            yield r.request, 0 if r.claim is None else r.claim.cached
+        for request in picked:
+            yield request, 0
 
     # ---------------------------------------------------------- every rank
 
