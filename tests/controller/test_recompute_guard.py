@@ -9,6 +9,7 @@ import pytest
 from hicache_ray.base.storage_config import Fault
 from hicache_ray.cache.controller import Arrival, CacheController
 from hicache_ray.cache.controller.cost import CostModel
+from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
 from tests.controller.helpers import (
@@ -68,14 +69,25 @@ def test_a_lookup_slower_than_compute_is_skipped(guard: bool) -> None:
     reader.claims.cost.note_query(1.0)  # a lookup answers in 1 s
     reader.step([Arrival("r", tokens)])
     assert (reader.known["r"].task is None) == guard  # no lookup at all
-    while "r" not in reader.step().runnable:
-        pass
-    handle = reader.take("r")
-    reader.wait_ready(handle, timeout=30)
+    handle = _taken(reader, "r")
     assert handle.num_cached_tokens == (0 if guard else 40)
     assert reader.stats().prefetch_queries_skipped == int(guard)
     if not guard:  # the lookup that ran was measured (moving average, from 1 s)
         assert reader.claims.cost.s_per_query < 1.0
+    _close(reader, handle)
+
+
+def _taken(reader: CacheController, rid: str) -> CacheHandle:
+    """Step until ``rid`` may run, take its prefix and wait until it is loaded."""
+    while rid not in reader.step().runnable:
+        pass
+    handle = reader.take(rid)
+    reader.wait_ready(handle, timeout=30)
+    return handle
+
+
+def _close(reader: CacheController, handle: CacheHandle) -> None:
+    """Release ``handle``, let the background work end, check the pools, close."""
     reader.release(handle)
     drain(reader)
     reader.check_integrity()
@@ -101,19 +113,13 @@ def test_a_read_slower_than_compute_is_skipped(guard: bool) -> None:
     reader.step([Arrival("r", tokens)])
     task = reader.known["r"].task
     assert task is not None and task.queried.wait(30)
-    while "r" not in reader.step().runnable:
-        pass
-    handle = reader.take("r")
-    reader.wait_ready(handle, timeout=30)
+    handle = _taken(reader, "r")
     read = handle.num_cached_tokens // PAGE
     assert read == (0 if guard else 10)
     check_pages(reader, handle, tokens, read)
     skipped = reader.stats().unfulfilled_tokens["slower_than_compute"]
     assert skipped == (40 if guard else 0)
-    reader.release(handle)
-    drain(reader)
-    reader.check_integrity()
-    reader.close()
+    _close(reader, handle)
 
 
 def test_a_read_is_cut_when_computing_would_have_finished() -> None:
@@ -138,7 +144,4 @@ def test_a_read_is_cut_when_computing_would_have_finished() -> None:
     assert cached < 10
     check_pages(reader, handle, tokens, cached)
     assert reader.claims.cost.s_per_page > 0  # the cut read was measured as it was
-    reader.release(handle)
-    drain(reader)
-    reader.check_integrity()
-    reader.close()
+    _close(reader, handle)
