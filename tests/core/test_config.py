@@ -8,6 +8,7 @@ from hicache_ray.base.config import (
     CacheConfig,
     MemoryConfig,
     PrefetchConfig,
+    SchedulerConfig,
     WriteConfig,
     compatible_io_backends,
 )
@@ -53,6 +54,9 @@ def test_bad_memory_config_names_field_and_fix(kwargs: dict[str, object], needle
         (StorageConfig, {"read_threads": 0}, "storage_read_threads"),
         (StorageConfig, {"read_threads": 65}, "storage_read_threads"),
         (StorageConfig, {"key_scheme": "flat"}, "key_scheme"),
+        (SchedulerConfig, {"hold_siblings": "yes"}, r"scheduler\.hold_siblings"),
+        (SchedulerConfig, {"hold_siblings": 1}, r"scheduler\.hold_siblings"),
+        (SchedulerConfig, {"max_step_tokens": 0}, r"scheduler\.max_step_tokens"),
     ],
 )
 def test_bad_other_configs(factory: type, kwargs: dict[str, object], needle: str) -> None:
