@@ -1,9 +1,10 @@
 """One admitted request's prefix claim and the facts its ranks agree on (:mod:`.claims`
-makes, agrees and hands them over)."""
+makes, agrees and hands them over); what one step agreed (:class:`StepResult`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hicache_ray.base.config import PrefetchPolicy
@@ -11,7 +12,7 @@ from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.cache.controller.protocol import ArrivalLike
 from hicache_ray.cache.tree import TreeNode
 
-__all__ = ["FACTS", "Facts", "PrefixClaim"]
+__all__ = ["FACTS", "Facts", "PrefixClaim", "StepResult"]
 
 
 class Facts(NamedTuple):
@@ -97,3 +98,28 @@ class PrefixClaim:
         # best_effort gives a query one step (as long as a forward) before it gives up
         effort = policy == "best_effort" and not self.agreed_on_arrival
         return effort or facts.finished == 1
+
+
+@dataclass
+class StepResult:
+    """What one step agreed (identical on every rank).
+
+    Attributes:
+        step: the step number (1 for the first call).
+        admitted: the claims of the requests admitted this step, in rank 0's order (each
+            claim's ``arrival`` is the request as broadcast).
+        runnable: the claims (pending ones, then admitted ones) whose prefetch policy lets
+            them run now, oldest first; aborted ones left out.
+        busy: some rank still has background work (writes, queries, reads, backups) or
+            requests in flight.
+        aborted: request ids rank 0 aborted this step (admitted ones are cancelled here;
+            the caller drops those it runs).
+        agreement_s: seconds this step spent agreeing (its all-reduces and broadcast).
+    """
+
+    step: int
+    admitted: list[PrefixClaim] = field(default_factory=list)
+    runnable: list[PrefixClaim] = field(default_factory=list)
+    busy: bool = False
+    aborted: list[str] = field(default_factory=list)
+    agreement_s: float = 0.0

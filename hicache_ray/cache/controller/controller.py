@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -36,6 +35,7 @@ from hicache_ray.base.stats import ControllerStats
 from hicache_ray.base.tokens import TokenIds
 from hicache_ray.cache.controller.acks import Acknowledger
 from hicache_ray.cache.controller.backup import BackupPipeline
+from hicache_ray.cache.controller.claim import StepResult
 from hicache_ray.cache.controller.claims import Claims, PrefixClaim
 from hicache_ray.cache.controller.consensus import Consensus, ConsensusError, LocalConsensus
 from hicache_ray.cache.controller.prefetch import PrefetchPipeline
@@ -53,31 +53,6 @@ __all__ = ["ARRIVAL_QUERY_WAIT_S", "CacheController", "StepResult"]
 # How long a step that admits requests waits for their L3 queries before it agrees on them
 # (one that ends in time runs in this step); a slow or dead store costs it once per step.
 ARRIVAL_QUERY_WAIT_S = 0.005
-
-
-@dataclass
-class StepResult:
-    """What one step agreed (identical on every rank).
-
-    Attributes:
-        step: the step number (1 for the first call).
-        admitted: the claims of the requests admitted this step, in rank 0's order (each
-            claim's ``arrival`` is the request as broadcast).
-        runnable: the claims (pending ones, then admitted ones) whose prefetch policy lets
-            them run now, oldest first; aborted ones left out.
-        busy: some rank still has background work (writes, queries, reads, backups) or
-            requests in flight.
-        aborted: request ids rank 0 aborted this step (admitted ones are cancelled here;
-            the caller drops those it runs).
-        agreement_s: seconds this step spent agreeing (its all-reduces and broadcast).
-    """
-
-    step: int
-    admitted: list[PrefixClaim] = field(default_factory=list)
-    runnable: list[PrefixClaim] = field(default_factory=list)
-    busy: bool = False
-    aborted: list[str] = field(default_factory=list)
-    agreement_s: float = 0.0
 
 
 class CacheController:
