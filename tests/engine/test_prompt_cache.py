@@ -97,20 +97,83 @@ def test_a_request_hits_the_chunks_of_a_prompt_still_prefilling(hold: bool) -> N
     rt.ctl.check_integrity()
 
 
+def _siblings(rt: RankRuntime, seed: int) -> tuple[dict[str, list[int]], dict[str, RequestResult]]:
+    """Three prompts sharing 7 pages, submitted in one step and run to their ends."""
+    base = prompt(seed, 28)
+    prompts = {f"r{i}": [*base, *prompt(seed + 1 + i, 5)] for i in range(3)}
+    for rid, tokens in prompts.items():
+        rt.submit(GenerateRequest(rid, tokens, 3))
+    done: dict[str, RequestResult] = {}
+    return prompts, {rid: _until(rt, rid, done) for rid in prompts}
+
+
 @pytest.mark.parametrize("hold", [True, False])
 def test_requests_arriving_together_compute_their_shared_prefix_once(hold: bool) -> None:
     """Three requests sharing 7 pages arrive in one step: held, the second and third wait
     for the first's prefill and hit all 7 pages; not held, all three compute them."""
     rt = _chunked(hold)
-    base = prompt(7, 28)
-    prompts = {f"r{i}": [*base, *prompt(8 + i, 5)] for i in range(3)}
-    for rid, tokens in prompts.items():
-        rt.submit(GenerateRequest(rid, tokens, 3))
-    done: dict[str, RequestResult] = {}
-    results = {rid: _until(rt, rid, done) for rid in prompts}
+    prompts, results = _siblings(rt, 7)
     assert results["r0"].device_hit_tokens == 0
     for rid in ("r1", "r2"):
         assert results[rid].device_hit_tokens == (28 if hold else 0)
         assert_exact(rt, results[rid], prompts[rid])
+    drain(rt)
+    rt.ctl.check_integrity()
+
+
+def _leader_fails_at(rt: RankRuntime, rid: str, chunk: int) -> None:
+    """Fault injection: request ``rid`` raises before its prefill chunk ``chunk`` (0 is its
+    first) and every one after (run alone again, it fails again)."""
+    seen = {"n": 0}
+
+    def on_phase(phase: str, who: str) -> None:
+        if phase == "prefill" and who == rid:
+            seen["n"] += 1
+            if seen["n"] > chunk:
+                raise RuntimeError("injected prefill failure")
+
+    rt.on_phase = on_phase
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_siblings_held_behind_a_request_that_fails_compute_the_prefix_themselves(
+    chunk: int,
+) -> None:
+    """Three requests sharing 7 pages arrive together; the first, which the others wait
+    for, fails before its first (or second) prefill chunk. It fails alone: the others are
+    released, hit what it left in the tree (nothing, or its first chunk's 3 pages) and
+    answer exactly; no page is left locked or lost."""
+    rt = _chunked(hold=True)
+    _leader_fails_at(rt, "r0", chunk)
+    prompts, results = _siblings(rt, 11)
+    assert results["r0"].error is not None and "injected" in results["r0"].error
+    r1, r2 = results["r1"], results["r2"]
+    assert r1.error is None and r2.error is None
+    assert r1.device_hit_tokens == 12 * chunk  # the failed request's chunk, or nothing
+    assert r2.device_hit_tokens == 28  # held behind r1 once r1 computes them
+    for rid in ("r1", "r2"):
+        assert_exact(rt, results[rid], prompts[rid])
+    drain(rt)
+    rt.ctl.check_integrity()
+
+
+def test_siblings_held_behind_an_aborted_request_run_without_it() -> None:
+    """The request the others wait for is aborted before its prefill ends: the held ones
+    run, hit the chunk it computed, and answer exactly."""
+    rt = _chunked(hold=True)
+    base = prompt(15, 28)
+    prompts = {f"r{i}": [*base, *prompt(16 + i, 5)] for i in range(2)}
+    for rid, tokens in prompts.items():
+        rt.submit(GenerateRequest(rid, tokens, 3))
+    done: dict[str, RequestResult] = {}
+    while not rt.table.running or rt.table.running[0].computed < 12:
+        for result in rt.step().results:
+            done[result.rid] = result
+    assert rt.table.running[0].rid == "r0" and "r1" not in {s.rid for s in rt.table.running}
+    rt.abort("r0")
+    late = _until(rt, "r1", done)
+    assert _until(rt, "r0", done).finish_reason == "abort"
+    assert late.error is None and late.device_hit_tokens == 12
+    assert_exact(rt, late, prompts["r1"])
     drain(rt)
     rt.ctl.check_integrity()
