@@ -4,7 +4,7 @@ Pages must outlive the rank and the deployment that wrote them, and a Ray object
 long as its owner (the process that put it). So the shard, a named detached actor, owns
 every object of its keys: a writer puts its pages into an object of its own (one copy) and
 hands the shard a reference; the shard indexes and serves it at once, and copies it into an
-object it owns itself on a copy thread (``_adopt``), then lets the writer's go. Until
+object it owns itself on its copy thread (``_adopt``), then lets the writer's go. Until
 then the page is as durable as its writer: a writer that dies first takes those pages with
 it, and they read as misses (``settle`` waits for the shard's copies). Pages of one put
 arrive together and become one object (a list alternating each page's framed header and
@@ -38,11 +38,6 @@ from actors.stats import ShardStats
 __all__ = ["PageShard"]
 
 _ADOPT_TIMEOUT_S = 60.0  # a writer's object that cannot be fetched by then is lost
-# Copy threads. A shard's first copies into object-store memory it has not touched yet
-# fault in every page: 18-44 ms per 32 MiB object, against 5-7 ms once touched (measured in
-# the shard, `bench storage --backend vllm`), so one thread fell behind the writer. Two:
-# `storage.vllm.save.gbps` median 1.43 GB/s against 1.13 with one (10 runs each).
-_ADOPT_THREADS = 2
 
 
 class _Object:
@@ -80,7 +75,7 @@ class PageShard:
         self._quota_evicted = 0  # guarded
         self._evicted_objects = 0  # guarded
         self._lost_objects = 0  # guarded: writers' objects lost before they were adopted
-        self._copier = ThreadPoolExecutor(_ADOPT_THREADS, thread_name_prefix="hicache-l3-adopt")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-adopt")
         self._pending_lock = threading.Lock()
         self._pending: set[Future[None]] = set()  # guarded by _pending_lock: adoptions running
 
@@ -135,7 +130,7 @@ class PageShard:
             self._pending.discard(job)
 
     def _adopt(self, oid: int, borrowed: Any) -> None:
-        """On a copy thread: make object ``oid`` this shard's own (a copy it ``ray.put``s),
+        """On the copy thread: make object ``oid`` this shard's own (a copy it ``ray.put``s),
         releasing the writer's; a writer's object already lost takes its keys with it."""
         try:
             own = ray.put(ray.get(borrowed, timeout=_ADOPT_TIMEOUT_S))
