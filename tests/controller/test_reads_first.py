@@ -22,7 +22,14 @@ from hicache_ray.storage.objects import ReadOutcome
 from hicache_ray.storage.page_format import ReadOut
 from hicache_ray.storage.paged import PagedBackend
 from tests.conftest import make_kv
-from tests.controller.helpers import PAGE, controller_config, make_controller, prompt, stored
+from tests.controller.helpers import (
+    PAGE,
+    controller_config,
+    fill_pages,
+    make_controller,
+    prompt,
+    stored,
+)
 
 KV = make_kv(page_size=PAGE)
 WAIT_S = 30.0  # bounds every wait on another thread (never reached when the code is right)
@@ -126,6 +133,37 @@ def test_the_step_that_agrees_the_reads_are_done_frees_the_backups() -> None:
         while "r" not in ctl.step().runnable:
             ctl.settle(timeout=WAIT_S)
         assert turn.reading == 0  # free before the request is even taken
+        ctl.cancel("r")
+    finally:
+        ctl.close()
+
+
+def test_settle_runs_the_backups_a_read_no_step_has_agreed_would_hold() -> None:
+    """``settle`` waits for every backup on the caller's thread, so no step can agree a
+    finished read done meanwhile: the backups it holds run now (they held settle to its
+    whole timeout before, and a drain loop with no timeout forever)."""
+    objects = _GatedReads()
+    stored(objects, hit := prompt(3, 40))
+    objects.writes = 0
+    ctl = make_controller(controller_config(), KV, objects)
+    try:
+        assert ctl.backup is not None
+        ctl.step([Arrival("r", [*hit, 1])])  # its L3 read waits on the gate
+        assert objects.reading.wait(WAIT_S)
+        tokens = prompt(4, 16)
+        assert "w" in ctl.step([Arrival("w", tokens)]).runnable  # nothing to read
+        handle = ctl.take("w")
+        ctl.reserve(handle, len(tokens))
+        fill_pages(ctl, handle, tokens, 0)
+        ctl.finish(handle, tokens)  # its pages go to L2, then (write-through) to L3
+        while not ctl.acks.pending_backups:  # the host writes, acknowledged by a step
+            ctl.cache.flush()
+            ctl.step()
+        assert _waited(ctl.backup.turn, 1)  # the backup waits for the read
+        objects.gate.set()
+        ctl.settle(timeout=WAIT_S)  # the read ends here; no step agrees it done
+        assert ctl.backup.turn.reading == 1 and objects.writes >= 1
+        assert all(task.done for task in ctl.acks._backups)
         ctl.cancel("r")
     finally:
         ctl.close()

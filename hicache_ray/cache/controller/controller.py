@@ -336,10 +336,12 @@ class CacheController:
 
     def settle(self, timeout: float | None = None) -> None:
         """Wait (locally, no collective) until this rank's background work is done:
-        host writes, storage queries and reads of admitted requests, backups."""
+        host writes, storage queries and reads of admitted requests, backups (which stop
+        yielding to reads meanwhile: no step can agree those done while this waits)."""
         self.cache.flush()
         self.claims.wait(timeout)
-        self.acks.wait_backups(timeout)
+        with self.backup.turn.awaited() if self.backup else contextlib.nullcontext():
+            self.acks.wait_backups(timeout)
 
     def _busy(self) -> bool:
         return bool(

@@ -13,11 +13,16 @@ ms after the first's), or until its request gives it up.
 Backups still keep up: once their backlog holds ``1/BACKLOG_SHARE`` of L2 (pages they
 lock until stored, which hits then lack) they stop yielding, as they stop pausing for
 forward passes. Every wait is counted (``ControllerStats.backup_waited_for_reads``).
+
+Nor do they yield while the rank's own thread waits for them (``CacheController.settle``):
+no step can then agree a read done, so a held backup would hold the caller to its timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 __all__ = ["BACKLOG_SHARE", "ReadsFirst"]
 
@@ -41,6 +46,7 @@ class ReadsFirst:
         self._backlog = 0  # guarded: pages of backups submitted and not finished
         self._limit = max(1, host_pages)
         self._closed = False  # guarded
+        self._awaited = 0  # guarded: callers waiting for every backup (``awaited``)
         self.waits = 0  # backups that waited (written by the backup thread only)
 
     def begin(self, task: object) -> None:
@@ -79,6 +85,19 @@ class ReadsFirst:
             self._cond.wait_for(lambda: not self._yielding())
             return True
 
+    @contextlib.contextmanager
+    def awaited(self) -> Iterator[None]:
+        """While the caller waits for every backup to finish: hold none (the step that
+        would agree the reads done cannot run until the caller returns)."""
+        with self._cond:
+            self._awaited += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._awaited -= 1
+
     def close(self) -> None:
         """Stop holding backups (the pipelines are closing)."""
         with self._cond:
@@ -87,4 +106,4 @@ class ReadsFirst:
 
     def _yielding(self) -> bool:
         behind = self._backlog * BACKLOG_SHARE >= self._limit
-        return bool(self._reads) and not behind and not self._closed
+        return bool(self._reads) and not behind and not self._closed and not self._awaited
