@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from actors.faults import RankFault
-from hicache_ray.base.config import PrefetchConfig
+from hicache_ray.base.config import PrefetchConfig, SchedulerConfig
 from hicache_ray.base.storage_config import Fault
 from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
@@ -286,3 +286,28 @@ def test_a_rank_killed_during_an_eager_l3_read_re_forms_and_answers(ray_local: N
     finally:
         reader.shutdown()
         actors.drop_store(store)
+
+
+def test_a_rank_killed_while_siblings_are_held_re_forms_and_answers_them_all(
+    ray_local: None,
+) -> None:
+    """Three requests over one 64-token prefix arrive together: rank 0 holds the later two
+    until the one ahead has computed the pages they share (16-token prefill chunks, so
+    that takes four steps). Rank 1 dies at that first prefill. After the re-form every
+    request answers exactly, and the held two hit the prefix their leader computed."""
+    dep = _launch("held", scheduler=SchedulerConfig(max_step_tokens=16))
+    try:
+        shared = prompt(30, 64)
+        requests = [GenerateRequest(f"s{i}", shared + prompt(31 + i, 3), 4) for i in range(3)]
+        ray.get(_actor(dep, 0, 1).inject.remote(RankFault.crash("prefill")), timeout=30)
+        out = dep.generate(requests)
+        for request, result in zip(requests, out, strict=True):
+            assert result.error is None, result.error
+            assert result.output_tokens == recompute(request.tokens, 4)
+        assert dep.generation == 1  # the crash happened, and the requests were retried
+        assert sorted(r.device_hit_tokens for r in out) == [0, 64, 64]  # one computed it
+        dep.wait_idle(timeout_s=30)
+        for rank in range(2):
+            ray.get(_actor(dep, 1, rank).check_integrity.remote(), timeout=30)
+    finally:
+        dep.shutdown()
