@@ -124,6 +124,13 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     consensus_s: Annotated[
         float, counter("consensus_seconds", "Time in the cross-rank agreement (seconds)")
     ] = 0.0
+    quiet_wait_s: Annotated[
+        float,
+        counter(
+            "quiet_wait_seconds",
+            "Time quiet steps waited for this rank's own L3 queries and reads (seconds)",
+        ),
+    ] = 0.0
     requests: Annotated[int, counter("requests", "Requests admitted (requests)")] = 0
     storage_hit_tokens: Annotated[
         int, counter("l3_hit_tokens", "Prompt tokens taken from L3, agreed by every rank (tokens)")

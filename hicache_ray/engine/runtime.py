@@ -191,7 +191,8 @@ class RankRuntime:
         arrivals = self.table.admit(self._hold)
         aborts, self._aborts = self._aborts, []
         began = time.perf_counter()
-        agreed = self.ctl.step(arrivals, aborts, pending=self.table.claims())
+        quiet = not self.table.running  # the same on every rank: what runs is agreed
+        agreed = self.ctl.step(arrivals, aborts, pending=self.table.claims(), quiet=quiet)
         if agreed.admitted and self.on_phase is not None:
             self.on_phase("admit", "")
         now = time.perf_counter()

@@ -1,7 +1,7 @@
 """L3 storage: the batched interface, the page object format, backends and fault injection."""
 
 from hicache_ray.base.backends import backend_names, register_backend
-from hicache_ray.storage.base import StorageBackend, StorageStats
+from hicache_ray.storage.base import PreparedRead, StorageBackend, StorageStats
 from hicache_ray.storage.faults import FaultyObjects, InjectedFault
 from hicache_ray.storage.file_objects import FileObjects
 from hicache_ray.storage.objects import MemoryObjects, ObjectStore
@@ -19,6 +19,7 @@ __all__ = [
     "ObjectStore",
     "PageHeader",
     "PagedBackend",
+    "PreparedRead",
     "StorageBackend",
     "StorageStats",
     "backend_names",

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-__all__ = ["StorageBackend", "StorageStats"]
+__all__ = ["PreparedRead", "StorageBackend", "StorageStats"]
 
 
 class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,6 +55,18 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
     corrupt_pages: int = 0
     evicted_pages: int = 0
     refused_pages: int = 0
+
+
+class PreparedRead:
+    """A read checked and set up ahead of the store's answer (:meth:`StorageBackend.prepare_get`):
+    its keys, buffers and what the backend made of them (``state``)."""
+
+    __slots__ = ("buffers", "keys", "state")
+
+    def __init__(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor], state: object = None
+    ) -> None:
+        self.keys, self.buffers, self.state = list(keys), list(buffers), state
 
 
 class StorageBackend(ABC):
@@ -106,6 +118,23 @@ class StorageBackend(ABC):
             ValueError: a bad key, or a buffer that does not match its key's object in the
                 plan (nothing is read or deleted).
         """
+
+    def prepare_get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> PreparedRead:
+        """Check and set up a :meth:`get` of ``keys`` into ``buffers`` before it can run (a
+        prefetch prepares its read while its lookup waits for the store); then
+        :meth:`get_prepared` reads its leading keys. This default checks nothing ahead.
+
+        Raises:
+            ValueError: as :meth:`get` (backends that check ahead).
+        """
+        return PreparedRead(keys, buffers)
+
+    def get_prepared(self, read: PreparedRead, count: int) -> int:
+        """:meth:`get` of the first ``count`` keys of ``read`` (0 <= ``count`` <= its keys);
+        the buffers past them are not touched."""
+        if not 0 <= count <= len(read.keys):
+            raise ValueError(f"count {count} outside [0, {len(read.keys)}]")
+        return self.get(read.keys[:count], read.buffers[:count])
 
     @abstractmethod
     def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, owner: str = "") -> int:

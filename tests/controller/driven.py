@@ -39,8 +39,10 @@ class Driven:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ctl, name)
 
-    def step(self, arrivals: Sequence[Any] = (), aborts: Sequence[str] = ()) -> Stepped:
-        result = self.ctl.step(arrivals, aborts, pending=list(self.known.values()))
+    def step(
+        self, arrivals: Sequence[Any] = (), aborts: Sequence[str] = (), *, quiet: bool = False
+    ) -> Stepped:
+        result = self.ctl.step(arrivals, aborts, pending=list(self.known.values()), quiet=quiet)
         self.known.update((c.rid, c) for c in result.admitted)
         for rid in result.aborted:
             if rid in self.known:

@@ -7,6 +7,7 @@ from any tier, on any rank, can be checked to be exactly the right one.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -16,6 +17,7 @@ from hicache_ray.base.config import CacheConfig, MemoryConfig, PrefetchConfig, W
 from hicache_ray.base.layout import ShardKV
 from hicache_ray.base.storage_config import Fault, MemoryStorageOptions, StorageConfig
 from hicache_ray.cache.controller import Arrival, CacheController, Consensus
+from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.keys import page_hashes, plan_shard
 from hicache_ray.storage import FaultyObjects, ObjectStore, PagedBackend
@@ -181,3 +183,18 @@ def stored(objects: ObjectStore, tokens: list[int], **config: object) -> None:
     drain(writer)
     writer.check_integrity()
     writer.close()
+
+
+def gate_queries(reader: Driven) -> threading.Event:
+    """Hold every L3 query of ``reader`` until the returned event is set (so it answers
+    after the admitting step, whatever the machine's speed)."""
+    assert reader.prefetch is not None
+    worker = reader.prefetch.query
+    leading, gate = worker._leading, threading.Event()
+
+    def gated(task: FetchTask) -> int:
+        assert gate.wait(30)
+        return leading(task)
+
+    worker._leading = gated  # type: ignore[method-assign]
+    return gate

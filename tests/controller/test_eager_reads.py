@@ -12,11 +12,11 @@ from hicache_ray.cache.controller import Arrival, LocalConsensus
 from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.storage import MemoryObjects
 from tests.conftest import make_kv
-from tests.controller.driven import Driven
 from tests.controller.helpers import (
     PAGE,
     controller_config,
     drain,
+    gate_queries,
     make_controller,
     prompt,
     run_request,
@@ -24,21 +24,6 @@ from tests.controller.helpers import (
 )
 
 KV = make_kv(page_size=PAGE)
-
-
-def gate_queries(reader: Driven) -> threading.Event:
-    """Hold every L3 query of ``reader`` until the returned event is set (so it answers
-    after the admitting step, whatever the machine's speed)."""
-    assert reader.prefetch is not None
-    worker = reader.prefetch.query
-    leading, gate = worker._leading, threading.Event()
-
-    def gated(task: FetchTask) -> int:
-        assert gate.wait(30)
-        return leading(task)
-
-    worker._leading = gated  # type: ignore[method-assign]
-    return gate
 
 
 def test_the_reads_start_when_the_query_answers_without_a_step() -> None:

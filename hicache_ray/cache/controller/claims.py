@@ -262,6 +262,17 @@ class Claims:
             if c.task is not None:
                 c.task.queried.wait(max(0.0, deadline - self._clock()))
 
+    def wait_local(self, claims: Sequence[PrefixClaim], limit_s: float) -> None:
+        """Wait up to ``limit_s`` in all, and not past the earliest prefetch deadline of
+        ``claims``, for the queries and started reads of every claim not taken yet."""
+        left = min([limit_s, *(c.deadline - self._clock() for c in claims)])
+        end = time.monotonic() + max(0.0, left)
+        for task in list(self._tasks):
+            if not task.queried.wait(max(0.0, end - time.monotonic())):
+                return
+            if task.read_started and not task.read_finished.wait(max(0.0, end - time.monotonic())):
+                return
+
     def wait(self, timeout: float | None) -> None:
         """Wait (locally) for the queries and reads of every claim not taken yet."""
         for task in list(self._tasks):

@@ -48,11 +48,15 @@ from hicache_ray.cache.memory import DevicePool
 from hicache_ray.keys import plan_shard
 from hicache_ray.storage import StorageBackend, create_backend
 
-__all__ = ["ARRIVAL_QUERY_WAIT_S", "CacheController", "StepResult"]
+__all__ = ["ARRIVAL_QUERY_WAIT_S", "QUIET_WAIT_S", "CacheController", "StepResult"]
 
 # How long a step that admits requests waits for their L3 queries before it agrees on them
 # (one that ends in time runs in this step); a slow or dead store costs it once per step.
 ARRIVAL_QUERY_WAIT_S = 0.005
+# How long a quiet step (no rank admits, nothing runs or is runnable: every request waits on
+# L3) lets each rank finish its own queries and reads before taking its facts, so that the
+# step that sees the last rank's read end is this one, not a later poll.
+QUIET_WAIT_S = 0.02
 
 
 class CacheController:
@@ -114,6 +118,7 @@ class CacheController:
         self._failed_since_step = False
         self._contributed: list[int] | None = None  # this rank's facts at the last exchange
         self._busy_agreed = False
+        self.quiet_wait_s = QUIET_WAIT_S
 
     # ------------------------------------------------------------------- step
 
@@ -122,11 +127,16 @@ class CacheController:
         arrivals: Sequence[ArrivalLike] = (),
         aborts: Sequence[str] = (),
         pending: Sequence[PrefixClaim] = (),
+        *,
+        quiet: bool = False,
     ) -> StepResult:
         """Agree on this step's facts with every rank and admit rank 0's ``arrivals``;
         rank 0's ``aborts`` reach every rank at the same step (the caller cancels those it
         holds). ``pending``: the claims of every request admitted before and not taken or
         cancelled, in admission order; the caller keeps them (this rank's scheduler table).
+        ``quiet``: the caller runs no request (the same on every rank, as what runs is
+        agreed); when no rank admits anything either and no pending claim is runnable,
+        each rank first waits up to ``quiet_wait_s`` for its own L3 queries and reads.
 
         Arrivals are trusted (checked at the scheduler's door): unique ids, non-empty
         prompts of token ids in ``[0, 2**32)``, of the controller's ``arrival_type``.
@@ -144,19 +154,18 @@ class CacheController:
         self._step += 1
         stats, start = self.counters, time.perf_counter()
         stats.steps += 1
-        # Round 1: does any rank contribute something new? (An idle step is this integer.)
-        # A rank whose own queries or reads run may end them while it waits here for the
-        # others: it asks for round 2, and takes its requests' facts after round 1.
+        # Round 1: does any rank contribute something new? (An idle step is this integer;
+        # a rank whose own L3 work runs says yes, and retakes its facts after the round.)
         waiting = self.prefetching
         changed = bool(admitting) or waiting or facts != self._contributed
-        news = self.consensus.all_reduce_min([-int(changed)], self._step)
+        news = self.consensus.all_reduce_min([-2 if admitting else -int(changed)], self._step)
         if not news[0]:
             spent = time.perf_counter() - start
             stats.consensus_s += spent
             runnable = self._runnable(pending, ())
             return StepResult(self._step, [], runnable, self._busy_agreed, agreement_s=spent)
         if waiting:
-            facts = facts[: Header.SIZE] + self.claims.facts(pending)
+            facts = self._facts_after_round_one(facts, pending, quiet and news[0] == -1)
         agreed = self.consensus.all_reduce_min(facts, self._step)
         header = Header.decode(agreed, self._step)
         new: list[Any] = []
@@ -209,6 +218,19 @@ class CacheController:
             self._agree_arrivals(admitted)
         self._busy_agreed = header.busy or bool(pending) or bool(admitted)
         return admitted
+
+    def _facts_after_round_one(
+        self, facts: list[int], pending: Sequence[PrefixClaim], quiet: bool
+    ) -> list[int]:
+        """This rank's facts retaken after round 1 (its own L3 work may have ended while it
+        waited there). In a quiet step that admits nothing and runs nothing it first waits
+        for that work (``quiet_wait_s`` at most, nor past a prefetch deadline) while the
+        others wait in round 2: their last read is agreed in this step, not a later poll."""
+        if quiet and not self._runnable(pending, ()):
+            started = time.perf_counter()
+            self.claims.wait_local(pending, self.quiet_wait_s)
+            self.counters.quiet_wait_s += time.perf_counter() - started
+        return facts[: Header.SIZE] + self.claims.facts(pending)
 
     def _runnable(self, claims: Sequence[PrefixClaim], aborted: Sequence[str]) -> list[PrefixClaim]:
         policy = self.config.prefetch.policy

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
+from typing import Any
 
 from hicache_ray.cache.controller.failure import Failure
 
@@ -19,7 +21,8 @@ class FetchTask:
     shortens ``read_end`` to what it found and starts the reads itself).
     Set by the workers: ``hashes``, ``local_total`` (-1 until the query finished),
     ``pages_read`` (leading pages valid in L2, from ``read_start``), ``read_finished``,
-    ``failure`` (why reading stopped early).
+    ``failure`` (why reading stopped early), ``prepared`` (the first batch's read, set up
+    while the lookup ran: :meth:`ReadWorker.prepare`).
     """
 
     def __init__(self, key: bytes, num_pages: int, start_page: int, salt: str) -> None:
@@ -36,6 +39,7 @@ class FetchTask:
         self.eager = False
         self.cancelled = False
         self.failure: Failure | None = None
+        self.prepared: Future[Any] | None = None
         self.queried = threading.Event()
         self.read_finished = threading.Event()
         # perf_counter times of the query's end, the reads' start and end (0: not yet):

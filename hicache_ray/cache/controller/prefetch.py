@@ -49,9 +49,12 @@ class QueryWorker(InboxWorker[FetchTask]):
         self._storage, self._plan, self._page_size, self._batch = storage, plan, page_size, batch
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
         self.start_read: Callable[[FetchTask], None] = no_read  # PrefetchPipeline.submit_read
+        self.prepare_read: Callable[[FetchTask], None] = no_prepare  # ReadWorker.prepare
 
     def handle(self, task: FetchTask) -> None:
         task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
+        if task.eager and not task.cancelled:
+            self.prepare_read(task)  # set up while the lookup below waits for the store
         task.local_total = task.start_page + self._leading(task)
 
     def failed(self, task: FetchTask, exc: Exception) -> None:
@@ -101,6 +104,7 @@ class PrefetchPipeline:
         self.read = ReadWorker(storage, plan, host_pool, batch_pages, read_threads)
         self.turn = turn
         self.query.start_read = self.submit_read
+        self.query.prepare_read = self.read.prepare
         self._closed = False
         self.query.start()
         self.read.start()
@@ -137,6 +141,11 @@ class PrefetchPipeline:
         self.query.join()  # first: the query thread hands eager tasks to the reader
         self.read.inbox.put(None)
         self.read.join()
+
+
+def no_prepare(task: FetchTask) -> None:
+    """The query worker's ``prepare_read`` until a pipeline wires its reader: nothing is
+    set up ahead (the read sets up its batches itself)."""
 
 
 def no_read(task: FetchTask) -> None:

@@ -3,10 +3,14 @@ docs/architecture.md, "Consensus protocol").
 
 Every step, every rank makes exactly these collectives, whatever its local state:
 
-1. a MIN all-reduce of one integer: minus one when this rank's facts differ from what it
-   contributed at the last exchange (or rank 0 has arrivals), else 0;
+1. a MIN all-reduce of one integer: -2 when rank 0 admits requests or aborts some, -1 when
+   this rank's facts differ from what it contributed at the last exchange, else 0;
 2. only when that agreed value says some rank has news: one element-wise MIN all-reduce
-   over ``Header.encode() + per-request facts``;
+   over ``Header.encode() + per-request facts``. When it is -1 (no arrivals) in a quiet
+   step (nothing runs, no pending request is runnable: the same on every rank), each rank
+   whose own L3 queries or reads run waits for them (``QUIET_WAIT_S`` at most, nor past a
+   prefetch deadline) before taking its facts, while the others wait in this round: the
+   step that sees the last rank's read end is this one, not a later poll;
 3. only when the agreed number of new requests is non-zero, a broadcast from rank 0 of
    their msgpack encoding (its byte length travels in the header).
 
