@@ -50,10 +50,9 @@ class _Page(NamedTuple):
 
 
 class _Prepared(NamedTuple):
-    """A batch's read set up ahead: its first page, its pages and the backend's read."""
+    """A batch's read set up ahead: its first page and the backend's read."""
 
     start: int
-    pages: list[_Page]
     read: PreparedRead
 
 
@@ -105,11 +104,10 @@ class ReadWorker(InboxWorker[FetchTask]):
             task.prepared = self._preparer.submit(self._prepare, task, task.read_start, end)
 
     def _prepare(self, task: FetchTask, start: int, end: int) -> _Prepared:
-        slots = task.host_pages[start - task.read_start : end - task.read_start]
-        pages = [self._page(task.hashes[start + i], slot, iter(())) for i, slot in enumerate(slots)]
+        pages = self._pages(task, start, end, iter(()))
         keys = [k for p in pages for k in p.keys]
         read = self._storage.prepare_get(keys, [b for p in pages for b in p.buffers])
-        return _Prepared(start, pages, read)
+        return _Prepared(start, read)
 
     def _staged(self, task: FetchTask) -> bool:
         """Whether ``task``'s objects go through staging buffers (not one view in a slot)."""
@@ -142,16 +140,18 @@ class ReadWorker(InboxWorker[FetchTask]):
                 done = self._read_prepared(prepared, end - start)
                 prepared = None
             else:
-                spare = iter(self._staging)
-                slots = task.host_pages[start - task.read_start : end - task.read_start]
-                pages = [
-                    self._page(task.hashes[start + i], slot, spare) for i, slot in enumerate(slots)
-                ]
-                done = self._read_pages(pages)
+                done = self._read_pages(self._pages(task, start, end, iter(self._staging)))
             task.pages_read = start + done
             if start + done < end:
                 task.failure = Failure.READ_FAILED
                 return
+
+    def _pages(
+        self, task: FetchTask, start: int, end: int, spare: Iterator[torch.Tensor]
+    ) -> list[_Page]:
+        """Pages ``[start, end)`` of ``task``, each with its slot's buffers."""
+        slots = task.host_pages[start - task.read_start : end - task.read_start]
+        return [self._page(task.hashes[start + i], slot, spare) for i, slot in enumerate(slots)]
 
     def _page(self, page_hash: str, slot: int, spare: Iterator[torch.Tensor]) -> _Page:
         page = _Page(list(self._plan.keys(page_hash)), [], [], slot)
@@ -191,7 +191,7 @@ class ReadWorker(InboxWorker[FetchTask]):
 
     def _read_prepared(self, prepared: _Prepared, count: int) -> int:
         """The first ``count`` pages of a prepared batch in one store call (prepared pages
-        have no staged objects); the leading pages read."""
+        have no staged objects to place); the leading pages read."""
         per_page = len(self._plan.objects)
         return self._storage.get_prepared(prepared.read, count * per_page) // per_page
 
