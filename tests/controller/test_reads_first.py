@@ -4,6 +4,7 @@ backlog is large."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -215,3 +216,56 @@ def test_the_controller_shares_one_turn_and_reports_its_waits() -> None:
         assert ctl.stats().backup_waited_for_reads == 3
     finally:
         ctl.close()
+
+
+def _delayed(turn: ReadsFirst) -> threading.Thread:
+    """A backup thread waiting in ``after`` for a minute; returns once it waits there."""
+    held = threading.Thread(target=turn.after, args=(time.monotonic() + 60.0,))
+    held.start()
+    with turn._cond:
+        assert turn._cond.wait_for(lambda: turn.delayed == 1, WAIT_S)
+    return held
+
+
+@pytest.mark.parametrize("release", ["read", "awaited", "closed", "behind"])
+def test_a_backup_starts_a_moment_after_its_submission_unless_something_comes_first(
+    release: str,
+) -> None:
+    turn = ReadsFirst(host_pages=64)
+    turn.after(time.monotonic() - 1.0)  # its moment has passed: no wait
+    assert turn.delayed == 0
+    held = _delayed(turn)
+    assert held.is_alive()  # 60 s from its submission
+    if release == "read":  # a query is submitted: ``turn`` holds the backup from here
+        turn.begin(object())
+        held.join(WAIT_S)
+    elif release == "awaited":  # the rank waits for every backup (settle)
+        with turn.awaited():
+            held.join(WAIT_S)
+    elif release == "closed":
+        turn.close()
+        held.join(WAIT_S)
+    else:
+        turn.backlog(8)  # 8 of 64 L2 pages wait on backups: no time to lose
+        held.join(WAIT_S)
+    assert not held.is_alive()
+
+
+def test_a_delayed_backup_sees_the_next_requests_lookup_begin_and_waits_for_its_read(
+    pipelines: Pipelines,
+) -> None:
+    """The pattern the delay is for: a request's backup is submitted as it finishes, and
+    the next request's L3 lookup starts before the backup's first store call."""
+    objects, pool, backup, prefetch = pipelines
+    backup.worker.delay_s = 60.0
+    job = _backup(pool, 2)
+    backup.submit(job)
+    with backup.turn._cond:
+        assert backup.turn._cond.wait_for(lambda: backup.turn.delayed == 1, WAIT_S)
+    task = _read_l3(prefetch, pool, objects)  # the next request's lookup and read
+    assert _waited(backup.turn, 1)  # out of its delay, held for the read
+    assert objects.writes == 0 and not job.done
+    objects.gate.set()
+    assert task.read_finished.wait(WAIT_S)
+    prefetch.give_up(task)
+    assert job.finished.wait(WAIT_S) and job.ok and objects.writes == 1

@@ -16,12 +16,19 @@ forward passes. Every wait is counted (``ControllerStats.backup_waited_for_reads
 
 Nor do they yield while the rank's own thread waits for them (``CacheController.settle``):
 no step can then agree a read done, so a held backup would hold the caller to its timeout.
+
+A backup also starts a moment after it was submitted (:meth:`ReadsFirst.after`), not at
+once: a request's pages reach L2, and its backup is submitted, as it finishes, which is
+when the next request (the next turn, the next in the queue) is admitted and looks L3 up.
+A backup that started first ran through that admission and lookup, where waiting for
+reads cannot stop it; delayed, it sees the next request's query submitted and waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 __all__ = ["BACKLOG_SHARE", "ReadsFirst"]
@@ -48,11 +55,13 @@ class ReadsFirst:
         self._closed = False  # guarded
         self._awaited = 0  # guarded: callers waiting for every backup (``awaited``)
         self.waits = 0  # backups that waited (written by the backup thread only)
+        self.delayed = 0  # guarded: backups that waited in ``after``
 
     def begin(self, task: object) -> None:
         """``task``'s query or read was submitted (again: no change)."""
         with self._cond:
             self._reads.add(task)
+            self._cond.notify_all()  # a delayed backup now waits for it (``after``)
 
     def end(self, task: object) -> None:
         """``task`` is done, failed or given up (again: no change)."""
@@ -71,8 +80,23 @@ class ReadsFirst:
         """``pages`` more (or, negative, fewer) backup pages wait to be stored."""
         with self._cond:
             self._backlog += pages
-            if not self._yielding():
+            if not self._yielding() or self._behind():
                 self._cond.notify_all()
+
+    def after(self, ready_at: float) -> None:
+        """On the backup thread, before a task's first store call: return at ``ready_at``
+        (``time.monotonic``, see ``BACKUP_DELAY_S``), or as soon as a query or read is
+        submitted (:meth:`turn` then holds the backup until it is done), the backlog is
+        too large to wait, every backup is awaited or the turn is closed."""
+        with self._cond:
+            if ready_at > time.monotonic():
+                self.delayed += 1
+                self._cond.notify_all()  # whoever watches ``delayed`` (tests)
+            while not (self._reads or self._closed or self._awaited or self._behind()):
+                left = ready_at - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def turn(self) -> bool:
         """On the backup thread, before a store call: return once no query or read runs
@@ -104,6 +128,8 @@ class ReadsFirst:
             self._closed = True
             self._cond.notify_all()
 
+    def _behind(self) -> bool:
+        return self._backlog * BACKLOG_SHARE >= self._limit
+
     def _yielding(self) -> bool:
-        behind = self._backlog * BACKLOG_SHARE >= self._limit
-        return bool(self._reads) and not behind and not self._closed and not self._awaited
+        return bool(self._reads) and not self._behind() and not self._closed and not self._awaited
