@@ -3,6 +3,7 @@ backlog is large."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -218,12 +219,17 @@ def test_the_controller_shares_one_turn_and_reports_its_waits() -> None:
         ctl.close()
 
 
+def _was_delayed(turn: ReadsFirst) -> bool:
+    """Wait until a backup waits in ``turn.after``."""
+    with turn._cond:
+        return turn._cond.wait_for(lambda: turn.delayed == 1, WAIT_S)
+
+
 def _delayed(turn: ReadsFirst) -> threading.Thread:
     """A backup thread waiting in ``after`` for a minute; returns once it waits there."""
     held = threading.Thread(target=turn.after, args=(time.monotonic() + 60.0,))
     held.start()
-    with turn._cond:
-        assert turn._cond.wait_for(lambda: turn.delayed == 1, WAIT_S)
+    assert _was_delayed(turn)
     return held
 
 
@@ -236,17 +242,13 @@ def test_a_backup_starts_a_moment_after_its_submission_unless_something_comes_fi
     assert turn.delayed == 0
     held = _delayed(turn)
     assert held.is_alive()  # 60 s from its submission
-    if release == "read":  # a query is submitted: ``turn`` holds the backup from here
-        turn.begin(object())
-        held.join(WAIT_S)
-    elif release == "awaited":  # the rank waits for every backup (settle)
-        with turn.awaited():
-            held.join(WAIT_S)
-    elif release == "closed":
-        turn.close()
-        held.join(WAIT_S)
-    else:
-        turn.backlog(8)  # 8 of 64 L2 pages wait on backups: no time to lose
+    with turn.awaited() if release == "awaited" else contextlib.nullcontext():  # settle
+        if release == "read":  # a query is submitted: ``turn`` holds the backup from here
+            turn.begin(object())
+        elif release == "closed":
+            turn.close()
+        elif release == "behind":
+            turn.backlog(8)  # 8 of 64 L2 pages wait on backups: no time to lose
         held.join(WAIT_S)
     assert not held.is_alive()
 
@@ -260,8 +262,7 @@ def test_a_delayed_backup_sees_the_next_requests_lookup_begin_and_waits_for_its_
     backup.worker.delay_s = 60.0
     job = _backup(pool, 2)
     backup.submit(job)
-    with backup.turn._cond:
-        assert backup.turn._cond.wait_for(lambda: backup.turn.delayed == 1, WAIT_S)
+    assert _was_delayed(backup.turn)
     task = _read_l3(prefetch, pool, objects)  # the next request's lookup and read
     assert _waited(backup.turn, 1)  # out of its delay, held for the read
     assert objects.writes == 0 and not job.done

@@ -80,7 +80,7 @@ class ReadsFirst:
         """``pages`` more (or, negative, fewer) backup pages wait to be stored."""
         with self._cond:
             self._backlog += pages
-            if not self._yielding() or self._behind():
+            if not self._yielding():  # behind now, or no read holds it: wake the waiters
                 self._cond.notify_all()
 
     def after(self, ready_at: float) -> None:
@@ -92,7 +92,7 @@ class ReadsFirst:
             if ready_at > time.monotonic():
                 self.delayed += 1
                 self._cond.notify_all()  # whoever watches ``delayed`` (tests)
-            while not (self._reads or self._closed or self._awaited or self._behind()):
+            while not (self._reads or self._urgent()):
                 left = ready_at - time.monotonic()
                 if left <= 0:
                     return
@@ -128,8 +128,10 @@ class ReadsFirst:
             self._closed = True
             self._cond.notify_all()
 
-    def _behind(self) -> bool:
-        return self._backlog * BACKLOG_SHARE >= self._limit
+    def _urgent(self) -> bool:
+        """Backups wait for nothing: they are behind, awaited, or the turn is closed."""
+        behind = self._backlog * BACKLOG_SHARE >= self._limit
+        return behind or self._closed or bool(self._awaited)
 
     def _yielding(self) -> bool:
-        return bool(self._reads) and not self._behind() and not self._closed and not self._awaited
+        return bool(self._reads) and not self._urgent()
