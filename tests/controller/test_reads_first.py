@@ -183,6 +183,23 @@ def test_a_read_its_request_gave_up_holds_no_backup(pipelines: Pipelines) -> Non
     assert not objects.gate.is_set()  # while the read still waits on the store
 
 
+def test_a_read_given_up_before_the_query_thread_starts_it_holds_no_backup(
+    pipelines: Pipelines,
+) -> None:
+    """The query thread checks ``cancelled``, the scheduler thread gives the task up, then
+    the query thread starts its read: nothing would end it again."""
+    _, pool, backup, prefetch = pipelines
+    task = FetchTask(encode_tokens(prompt(1, 32)), 8, 0, "")
+    task.cancelled = True  # as the claims do, then give it up ...
+    prefetch.give_up(task)
+    prefetch.submit_read(task)  # ... and only now the query thread's call arrives
+    assert prefetch.turn.reading == 0
+    job = _backup(pool, 2)
+    backup.submit(job)
+    assert job.finished.wait(WAIT_S) and job.ok and backup.turn.waits == 0
+    assert task.read_finished.wait(WAIT_S)  # the reader saw it cancelled and let it go
+
+
 @pytest.mark.parametrize("pipelines", [16], indirect=True)
 def test_a_backlog_of_an_eighth_of_l2_does_not_wait(pipelines: Pipelines) -> None:
     objects, pool, backup, prefetch = pipelines

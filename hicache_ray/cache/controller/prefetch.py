@@ -124,6 +124,12 @@ class PrefetchPipeline:
         task.read_started = True
         task.read_started_at = time.perf_counter()
         self.turn.begin(task)
+        # NOTE: the query thread checks ``cancelled`` before it calls this, and the
+        # scheduler thread may give the task up in between: then nothing ends it again, and
+        # the backups it held would wait for it forever. (``cancelled`` is set before
+        # ``give_up``, so one of the two ends it after this begin.)
+        if task.cancelled:
+            self.turn.end(task)
         self.read.inbox.put(task)
 
     def give_up(self, task: FetchTask) -> None:
