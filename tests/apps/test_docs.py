@@ -2,10 +2,11 @@
 generated parts of docs/ are up to date.
 
 A fenced block tagged ``bash`` or ``python`` runs (bash from the repository root with the
-environment's commands on PATH; python in a fresh interpreter). A block that cannot run on
-a CPU machine (a server that runs until stopped, a GPU, a cluster) has a
-``<!-- not run: why -->`` comment on the line above it. Untagged blocks are diagrams and
-schemas.
+environment's commands on PATH; python in a fresh interpreter). What a bash block writes
+under ``/tmp/`` goes to the test's own folder instead: a run leaves nothing there and never
+overwrites a user's file. A block that cannot run on a CPU machine (a server that runs
+until stopped, a GPU, a cluster) has a ``<!-- not run: why -->`` comment on the line above
+it. Untagged blocks are diagrams and schemas.
 """
 
 from __future__ import annotations
@@ -61,11 +62,15 @@ def test_code_block_runs(where: str, lang: str, code: str, why: str, tmp_path: P
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "PYTHONPATH": str(REPO),
     }
+    writes_tmp = lang == "bash" and " /tmp/" in code
+    if writes_tmp:
+        code = code.replace(" /tmp/", f" {tmp_path}/")
     argv = (
         ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
     )
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{where}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert not writes_tmp or any(tmp_path.iterdir()), f"{where} wrote nothing to {tmp_path}"
 
 
 def test_generated_docs_are_current() -> None:
