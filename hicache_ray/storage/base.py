@@ -66,7 +66,10 @@ class PreparedRead:
     def __init__(
         self, keys: Sequence[str], buffers: Sequence[torch.Tensor], state: object = None
     ) -> None:
-        self.keys, self.buffers, self.state = list(keys), list(buffers), state
+        from hicache_ray.storage.read_set import RowBuffers  # views made when asked for
+
+        self.keys, self.state = list(keys), state
+        self.buffers = buffers if isinstance(buffers, RowBuffers) else list(buffers)
 
 
 class StorageBackend(ABC):
@@ -128,6 +131,24 @@ class StorageBackend(ABC):
             ValueError: as :meth:`get` (backends that check ahead).
         """
         return PreparedRead(keys, buffers)
+
+    def prepare_get_rows(
+        self, keys: Sequence[str], rows: Sequence[torch.Tensor], slots: Sequence[int]
+    ) -> PreparedRead:
+        """:meth:`prepare_get` into a pool's pages: ``rows`` holds one tensor per object of
+        a page (``[pages, *object shape]``, as :meth:`HostPool.object_rows` gives), ``keys``
+        the objects page by page, and page ``j``'s object ``i`` (key ``j * len(rows) + i``)
+        is read into ``rows[i][slots[j]]``. Backends that check ahead check each row
+        tensor once, not each object.
+
+        Raises:
+            ValueError: as :meth:`prepare_get`; keys not ``len(rows)`` per slot, or a slot
+                outside the rows.
+        """
+        from hicache_ray.storage.read_set import RowBuffers, check_row_read
+
+        check_row_read(keys, rows, slots)
+        return self.prepare_get(keys, RowBuffers(rows, slots)[:])
 
     def get_prepared(self, read: PreparedRead, count: int) -> int:
         """:meth:`get` of the first ``count`` keys of ``read`` (0 <= ``count`` <= its keys);

@@ -33,9 +33,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NoReturn
 
 import torch
 
+from hicache_ray.base.layout import DTYPES
 from hicache_ray.base.views import byte_view
 from hicache_ray.keys import ShardPlan, check_keys
 from hicache_ray.storage.base import PreparedRead, StorageBackend, StorageStats
@@ -53,8 +55,10 @@ from hicache_ray.storage.page_format import (
     framed_size,
     tensor_problem,
     verify,
+    zero_out,
 )
 from hicache_ray.storage.paged_writes import PageWrites
+from hicache_ray.storage.read_set import ReadSet, RowBuffers, check_row_read, row_outs, rows_problem
 
 __all__ = ["PagedBackend"]
 
@@ -145,22 +149,32 @@ class PagedBackend(PageWrites, StorageBackend):
         return self.get_prepared(self.prepare_get(keys, buffers), len(keys))
 
     def prepare_get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> PreparedRead:
-        """Checks the buffers and makes their copy destinations (about 4 us a page: a
-        4,096-token hit's 512 objects cost some 2 ms, off its critical path here)."""
-        self._check_tensors("buffer", keys, buffers)
-        outs: list[ReadOut] = [
-            byte_view(b) if b.is_contiguous() else StridedOut(b) for b in buffers
-        ]
-        return PreparedRead(keys, buffers, outs)
+        """Checks the buffers and makes their copy destinations (about 6 us an object; a
+        pool's reads go through :meth:`prepare_get_rows`)."""
+        shapes = self._check_tensors("buffer", keys, buffers)
+        outs = [byte_view(b) if b.is_contiguous() else StridedOut(b) for b in buffers]
+        return PreparedRead(keys, buffers, ReadSet(outs, shapes))
+
+    def prepare_get_rows(
+        self, keys: Sequence[str], rows: Sequence[torch.Tensor], slots: Sequence[int]
+    ) -> PreparedRead:
+        check_row_read(keys, rows, slots)
+        check_keys(keys)  # each key's object is checked by its suffix, each row tensor once
+        problem = rows_problem(self.plan, self.plan_dtype, keys, rows)
+        if problem is not None:
+            self._refuse(f"storage {self.name}: {problem}")
+        shapes = [tuple(r.shape[1:]) for r in rows] * len(slots)
+        return PreparedRead(keys, RowBuffers(rows, slots), ReadSet(row_outs(rows, slots), shapes))
 
     def get_prepared(self, read: PreparedRead, count: int) -> int:
-        if not 0 <= count <= len(read.keys) or not isinstance(read.state, list):
+        if not 0 <= count <= len(read.keys) or not isinstance(read.state, ReadSet):
             raise ValueError(f"count {count} outside [0, {len(read.keys)}], or not prepared here")
-        keys, buffers, outs = read.keys[:count], read.buffers[:count], read.state[:count]
+        keys, outs, shapes = read.keys[:count], read.state.outs[:count], read.state.shapes[:count]
         verified: set[int] = set()  # the pages the store's copy threads verified
+        dtype = self.plan_dtype
 
         def check(i: int, header: bytes, digest: str) -> None:
-            verify(header, keys[i], self._digest, buffers[i], digest)
+            verify(header, keys[i], self._digest, dtype, shapes[i], digest)
             verified.add(i)
 
         try:
@@ -172,7 +186,7 @@ class PagedBackend(PageWrites, StorageBackend):
             outcomes = [exc] * len(keys)  # whatever it wrote before failing is zeroed below
         done = len(outcomes)
         for i, outcome in enumerate(outcomes):
-            if not self._accept(keys[i], buffers[i], outs[i], outcome, i in verified):
+            if not self._accept(keys[i], shapes[i], outs[i], outcome, i in verified):
                 done = i
                 if isinstance(outcome, Exception) and not isinstance(outcome, CorruptPage):
                     # The store failed (a shard restarting, a network error): what the
@@ -184,8 +198,8 @@ class PagedBackend(PageWrites, StorageBackend):
         self._count_read(keys[:done], outs[:done])
         # NOTE: every buffer past the count, not only those of the outcomes returned: a
         # store may have read ahead into buffers past the key that ended the batch.
-        for buf in buffers[done:]:
-            buf.zero_()
+        for out in outs[done:]:
+            zero_out(out)
         return min(done, len(keys))
 
     def put(
@@ -293,12 +307,14 @@ class PagedBackend(PageWrites, StorageBackend):
 
     def _check_tensors(
         self, what: str, keys: Sequence[str], tensors: Sequence[torch.Tensor]
-    ) -> None:
-        """The caller's keys and buffers (or pages) against the plan, before any I/O."""
+    ) -> list[tuple[int, ...]]:
+        """The caller's keys and buffers (or pages) against the plan, before any I/O; the
+        shape of each key's object."""
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys but {len(tensors)} {what}s")
         check_keys(keys)
         dtype = self.plan_dtype
+        shapes = []
         for i, (key, t) in enumerate(zip(keys, tensors, strict=True)):
             spec = self.plan.spec_of(key)
             if spec is None:
@@ -308,20 +324,24 @@ class PagedBackend(PageWrites, StorageBackend):
             else:
                 problem = tensor_problem(t, dtype, spec.shape, contiguous=what == "page")
             if problem is not None:
-                with self._lock:
-                    self._counts["refused_pages"] += 1
-                raise ValueError(f"storage {self.name}: {what} {i} for {key}: {problem}")
+                self._refuse(f"storage {self.name}: {what} {i} for {key}: {problem}")
+            shapes.append(spec.shape if spec is not None else ())
+        return shapes
+
+    def _refuse(self, message: str) -> NoReturn:
+        """Count a refused call and raise its ``ValueError``."""
+        with self._lock:
+            self._counts["refused_pages"] += 1
+        raise ValueError(message)
 
     @property
     def plan_dtype(self) -> torch.dtype:
-        from hicache_ray.base.layout import DTYPES
-
         return DTYPES[self.plan.namespace.dtype]
 
     # ------------------------------------------------------------------ reads
 
     def _accept(
-        self, key: str, buf: torch.Tensor, out: ReadOut, outcome: ReadOutcome, verified: bool
+        self, key: str, shape: tuple[int, ...], out: ReadOut, outcome: ReadOutcome, verified: bool
     ) -> bool:
         """Verify a read page (unless the store's copy thread did) and count it; else handle
         the miss, failure or corruption."""
@@ -341,7 +361,7 @@ class PagedBackend(PageWrites, StorageBackend):
         try:
             if not verified:
                 digest = digest if digest is not None else checksum_of(out)
-                verify(header, key, self._digest, buf, digest)
+                verify(header, key, self._digest, self.plan_dtype, shape, digest)
         except CorruptPage as exc:
             self._drop_corrupt(key, exc)
             return False

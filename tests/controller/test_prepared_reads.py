@@ -38,22 +38,33 @@ def _one_lane(**kwargs: Any) -> CacheConfig:
 
 
 class _Calls:
-    """Counts the backend's ``prepare_get`` and ``get_prepared`` calls (and their sizes)."""
+    """Counts the backend's ``prepare_get``, ``prepare_get_rows`` (both in ``prepared``) and
+    ``get_prepared`` calls (and their sizes)."""
 
     def __init__(self, backend: StorageBackend) -> None:
         self.prepared: list[int] = []
+        self.rows: list[int] = []  # the calls of prepare_get_rows (indices into prepared)
         self.read: list[int] = []
-        prepare, read = backend.prepare_get, backend.get_prepared
+        prepare, prepare_rows = backend.prepare_get, backend.prepare_get_rows
+        read = backend.get_prepared
 
         def prepare_get(keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> PreparedRead:
             self.prepared.append(len(keys))
             return prepare(keys, buffers)
+
+        def prepare_get_rows(
+            keys: Sequence[str], rows: Sequence[torch.Tensor], slots: Sequence[int]
+        ) -> PreparedRead:
+            self.rows.append(len(self.prepared))
+            self.prepared.append(len(keys))
+            return prepare_rows(keys, rows, slots)
 
         def get_prepared(prepared: PreparedRead, count: int) -> int:
             self.read.append(count)
             return read(prepared, count)
 
         backend.prepare_get = prepare_get  # type: ignore[method-assign]
+        backend.prepare_get_rows = prepare_get_rows  # type: ignore[method-assign]
         backend.get_prepared = get_prepared  # type: ignore[method-assign]
 
 
@@ -99,6 +110,7 @@ def test_the_first_batch_is_set_up_before_the_lookup_answers_and_read_from_it() 
     assert task.prepared is not None  # asked for before the (held) lookup
     task.prepared.result(timeout=30)
     assert calls.prepared == [4 * per_page] and not task.queried.is_set()
+    assert calls.rows == [0]  # into the slots' rows of the pool
     gate.set()
     assert task.read_finished.wait(30) and task.failure is None
     assert task.pages_read == 10
@@ -135,11 +147,13 @@ def test_a_set_up_that_fails_fails_the_read_not_the_rank() -> None:
     assert reader.storage is not None
     broken = threading.Event()
 
-    def prepare_get(keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> PreparedRead:
+    def prepare_get_rows(
+        keys: Sequence[str], rows: Sequence[torch.Tensor], slots: Sequence[int]
+    ) -> PreparedRead:
         broken.set()
         raise ValueError("a buffer the plan does not know")
 
-    reader.storage.prepare_get = prepare_get  # type: ignore[method-assign]
+    reader.storage.prepare_get_rows = prepare_get_rows  # type: ignore[method-assign]
     reader.step([Arrival("r", [*tokens, 1])])
     task = reader.known["r"].task
     assert task is not None and task.read_finished.wait(30)

@@ -96,6 +96,8 @@ def test_object_views_are_the_pools_own_bytes_of_that_object(layout: str) -> Non
                 assert view is None
                 continue
             assert view is not None and torch.equal(view, pool.read_object(page, layers, heads))
+            rows = pool.object_rows(layers, heads)  # every page's view of that object
+            assert rows is not None and rows.shape[0] == 5 and torch.equal(rows[page], view)
             view.fill_(7.0)  # a read lands in the pool: read_object sees it
             assert bool((pool.read_object(page, layers, heads) == 7.0).all())
     with pytest.raises(ValueError, match="page 5"):

@@ -84,6 +84,20 @@ def test_bytes_flipped_in_a_strided_buffer_are_caught_and_zeroed() -> None:
     assert bool((base[..., ::2] == 0).all()) and bool((base[..., 1::2] == 3.0).all())
 
 
+def test_bytes_flipped_in_a_read_into_rows_are_caught_and_zeroed() -> None:
+    backend, _ = _backend(Fault(op="read", kind="corrupt", limit=1))
+    plan = backend.plan
+    keys = page_keys(plan, 2)
+    backend.put(keys, make_pages(plan, 2))
+    shape = plan.objects[0].shape
+    base = torch.full((3, *shape[:-1], shape[-1] * 2), 3.0, dtype=torch.float16)
+    rows = base[..., ::2]  # the first object's place in 3 slots of a pool laid out otherwise
+    assert backend.get_prepared(backend.prepare_get_rows(keys, [rows], [2, 0]), 2) == 0
+    assert backend.stats().corrupt_pages == 1
+    assert bool((rows[2] == 0).all()) and bool((rows[0] == 0).all())  # both, read ahead
+    assert bool((rows[1] == 3.0).all()) and bool((base[..., 1::2] == 3.0).all())
+
+
 def test_delay_slows_the_call_down() -> None:
     backend, _ = _backend(Fault(op="size", kind="delay", delay_s=0.05))
     start = time.perf_counter()

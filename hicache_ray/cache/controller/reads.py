@@ -84,6 +84,9 @@ class ReadWorker(InboxWorker[FetchTask]):
             else None
         )
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
+        rows = [host_pool.object_rows(o.local_layers, o.local_heads) for o in plan.objects]
+        # each object's place in every slot, or None: objects go through staging buffers
+        self._rows = None if any(r is None for r in rows) else [r for r in rows if r is not None]
         self._preparer = started_pool(1, "hicache-prefetch-prepare")
 
     def run(self) -> None:
@@ -99,22 +102,15 @@ class ReadWorker(InboxWorker[FetchTask]):
         before an eager task's lookup: about 4 ms of a 4,096-token hit's critical path on
         2 cores overlap the store's round trip). Not for pages read through staging
         buffers (those are this thread's) nor in lanes (each lane sets up its own)."""
-        if self._lanes is None and not self._staged(task):
+        if self._lanes is None and self._rows is not None:
             end = min(task.read_start + self._batch, task.read_end)
             task.prepared = self._preparer.submit(self._prepare, task, task.read_start, end)
 
     def _prepare(self, task: FetchTask, start: int, end: int) -> _Prepared:
-        pages = self._pages(task, start, end, iter(()))
-        keys = [k for p in pages for k in p.keys]
-        read = self._storage.prepare_get(keys, [b for p in pages for b in p.buffers])
-        return _Prepared(start, read)
-
-    def _staged(self, task: FetchTask) -> bool:
-        """Whether ``task``'s objects go through staging buffers (not one view in a slot)."""
-        return bool(task.host_pages) and any(
-            self._pool.object_view(task.host_pages[0], o.local_layers, o.local_heads) is None
-            for o in self._plan.objects
-        )
+        assert self._rows is not None
+        slots = task.host_pages[start - task.read_start : end - task.read_start]
+        keys = [k for h in task.hashes[start : start + len(slots)] for k in self._plan.keys(h)]
+        return _Prepared(start, self._storage.prepare_get_rows(keys, self._rows, slots))
 
     def handle(self, task: FetchTask) -> None:
         self._read(task)
@@ -129,7 +125,7 @@ class ReadWorker(InboxWorker[FetchTask]):
 
     def _read(self, task: FetchTask) -> None:
         batch = self._batch
-        if self._staged(task):
+        if self._rows is None:
             batch = min(batch, STAGED_BATCH_PAGES)  # staging memory stays small and warm
         prepared = task.prepared.result() if task.prepared is not None else None
         for start in range(task.read_start, task.read_end, batch):

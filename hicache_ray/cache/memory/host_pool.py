@@ -121,15 +121,22 @@ class HostPool:
         (a read from storage lands there directly: a strided view in one strided copy),
         else None (an object spanning layer groups: read into a buffer, then
         :meth:`write_object`)."""
-        key = (layers, heads)
-        if key not in self._object_rows:
-            self._object_rows[key] = self._rows_of(layers, heads)
-        rows = self._object_rows[key]
+        rows = self.object_rows(layers, heads)
         if not 0 <= page < self.num_pages:
             raise ValueError(f"page {page} outside [0, {self.num_pages})")
         # NOTE: one index into a view of every page (about 2 us) instead of slicing the
         # buffer anew (about 10 us): a 4,096-token L3 hit asks for 512-1,024 of these.
         return None if rows is None else rows[page]
+
+    def object_rows(
+        self, layers: tuple[int, int] | None = None, heads: tuple[int, int] | None = None
+    ) -> torch.Tensor | None:
+        """``[num_pages, *object shape]``: the pool's own bytes of an object in every page
+        (``rows[page]`` is :meth:`object_view`), or None when it spans layer groups."""
+        key = (layers, heads)
+        if key not in self._object_rows:
+            self._object_rows[key] = self._rows_of(layers, heads)
+        return self._object_rows[key]
 
     def _rows_of(
         self, layers: tuple[int, int] | None, heads: tuple[int, int] | None
