@@ -35,7 +35,8 @@ import torch
 
 from actors.faults import FaultHooks, RankFault
 from actors.metrics import StatsPublisher
-from actors.stats import RankHealth, RankStats
+from actors.peers import peer_teller
+from actors.stats import RankHealth, RankStats, loop_health
 from actors.waiter import Waiter
 from hicache_ray.base.affinity import pin_process
 from hicache_ray.base.errors import HiCacheError
@@ -43,6 +44,7 @@ from hicache_ray.cache.controller import CacheController, start_rendezvous
 from hicache_ray.cache.controller.consensus import Rendezvous
 from hicache_ray.cache.events import EventBatch, check_position
 from hicache_ray.engine.compose import RankPlace, compose_rank, rank_device
+from hicache_ray.engine.hints import hint_problem
 from hicache_ray.engine.request import (
     GenerateRequest,
     RequestError,
@@ -146,6 +148,8 @@ class RankActor:
         )
         if self.controller.prefetch is not None:  # a prefetch's end starts the next step
             self.controller.prefetch.on_progress(self._loop.wake)
+            if self.rank == 0:
+                self.runtime.look_ahead.tell = peer_teller(self.config, self.generation)
         self._loop.start()
 
     # -------------------------------------------------------------- requests
@@ -181,6 +185,16 @@ class RankActor:
             self._abort_inbox.append(rid)
         if self._loop is not None:
             self._loop.wake()
+
+    def look_ahead(self, key: bytes, cache_salt: str, start: int, step: int) -> bool:
+        """Not rank 0: rank 0 admits a prompt (``key``: its encoded tokens) in step ``step``
+        and looks its pages from ``start`` up in L3; so does this rank, now rather than
+        after that step (:mod:`hicache_ray.engine.hints`). A bad or late hint is ignored;
+        whether a lookup was queued."""
+        ctl = self.controller
+        if ctl is None or self.rank == 0 or hint_problem(key, cache_salt, start, step):
+            return False
+        return ctl.counters.steps <= step and ctl.claims.look_ahead_from(key, cache_salt, start)
 
     def _enqueue(self, request: object, *, stream: bool) -> Waiter | RequestResult:
         if self.rank != 0:
@@ -238,16 +252,7 @@ class RankActor:
     def health(self) -> RankHealth:
         """Whether the step loop runs, its step count and error, and where it is: inside a
         step (possibly waiting in a collective) or for how long it has been outside one."""
-        loop = self._loop
-        return RankHealth(
-            rank=self.rank,
-            generation=self.generation,
-            stepping=loop is not None and loop.running and not loop.stopping,
-            steps=loop.steps if loop is not None else 0,
-            error=self.error,
-            in_step=loop.in_step if loop is not None else False,
-            outside_step_s=loop.outside_step_s if loop is not None else None,
-        )
+        return loop_health(self.rank, self.generation, self._loop, self.error)
 
     def idle(self) -> bool:
         """Rank 0: no request in flight and, as of the last step, no rank has background

@@ -13,6 +13,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.peers import rank_name
 from actors.rank import RankActor
 from actors.stats import RankHealth
 from hicache_ray.base.errors import ConfigError
@@ -33,10 +34,6 @@ log = logging.getLogger(__name__)
 
 _Rank = ray.remote(RankActor)
 STOP_S = 5.0  # how long stopping waits for each rank's step loop
-
-
-def _rank_name(name: str, generation: int, rank: int) -> str:
-    return f"hicache-{name}-g{generation}-rank{rank}"
 
 
 def check_name_free(name: str, owns_groups: bool) -> None:
@@ -95,7 +92,7 @@ def start_ranks(cfg: DeploymentConfig, groups: StageGroups, generation: int) -> 
                 num_cpus=cfg.cpus_per_rank,
                 num_gpus=cfg.gpus_per_rank,
                 scheduling_strategy=strategy,
-                name=_rank_name(cfg.name, generation, rank),
+                name=rank_name(cfg.name, generation, rank),
                 namespace="hicache",
             ).remote(cfg, rank, generation)
         )

@@ -8,8 +8,9 @@ from typing import Any
 import msgspec
 
 from hicache_ray.base.stats import ControllerStats
+from hicache_ray.engine.step_loop import StepLoop
 
-__all__ = ["RankHealth", "RankStats", "ShardStats"]
+__all__ = ["RankHealth", "RankStats", "ShardStats", "loop_health"]
 
 
 class ShardStats(msgspec.Struct, kw_only=True):
@@ -76,3 +77,18 @@ class RankHealth(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     in_step: bool = False
     outside_step_s: float | None = None
+
+
+def loop_health(rank: int, generation: int, loop: StepLoop | None, error: str | None) -> RankHealth:
+    """A rank's health from its step loop (None: not started yet)."""
+    if loop is None:
+        return RankHealth(rank=rank, generation=generation, error=error)
+    return RankHealth(
+        rank=rank,
+        generation=generation,
+        stepping=loop.running and not loop.stopping,
+        steps=loop.steps,
+        error=error,
+        in_step=loop.in_step,
+        outside_step_s=loop.outside_step_s,
+    )

@@ -159,6 +159,13 @@ class ControllerStats(msgspec.Struct, kw_only=True):
             "than the lookup and its reads (queries)",
         ),
     ] = 0
+    prefetch_lookaheads: Annotated[
+        int,
+        counter(
+            "l3_lookaheads",
+            "L3 lookups made before admission, for a request about to be admitted (queries)",
+        ),
+    ] = 0
     unfulfilled_tokens: Annotated[
         dict[str, int],
         counter(

@@ -23,10 +23,10 @@ Every request of the rank is one :class:`~hicache_ray.engine.scheduler.RankReque
 that record. Requests are checked at the door (:meth:`RankRuntime.submit`, or the caller's
 own door and :meth:`RankRuntime.enqueue`) and trusted inside: nothing invalid reaches a
 collective, and rank 0 broadcasts the request itself (one msgpack encoding, decoded once
-per rank). An exception raised while
-running one request fails it alone: the ranks that raised agree on it
-(:meth:`CacheController.agree_failure`; a failed batch is retried request by request); a
-rank that did not raise never joins, the others time out and the deployment re-forms.
+per rank). An exception raised while running one request fails it alone: the ranks that
+raised agree on it (:meth:`CacheController.agree_failure`; a failed batch is retried
+request by request); a rank that did not raise never joins, the others time out and the
+deployment re-forms.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from hicache_ray.base.errors import CollectiveError
 from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
 from hicache_ray.cache.controller import CacheController, PrefixClaim
 from hicache_ray.cache.tree.peek import cached_pages
+from hicache_ray.engine.hints import LookAhead
 from hicache_ray.engine.hold import SiblingHold
 from hicache_ray.engine.model import ReferenceModel
 from hicache_ray.engine.model.pipe import StageExecutor
@@ -116,6 +117,7 @@ class RankRuntime:
             else None
         )
         self._aborts: list[str] = []  # rank 0: aborted by callers, for the next step
+        self.look_ahead = LookAhead(controller.claims.look_ahead, lambda: controller.counters.steps)
         self._out = StepOutput()
 
     # -------------------------------------------------------------- requests
@@ -152,7 +154,7 @@ class RankRuntime:
         """Stop request ``rid`` (rank 0): it ends at the next step with ``finish_reason``
         ``abort`` and the tokens it generated so far."""
         if self.table.withdraw(rid):
-            self._out.results.append(_aborted(rid))
+            self._out.results.append(RequestResult(rid=rid, finish_reason=FinishReason.ABORT))
         elif rid in self.table:
             self._aborts.append(rid)
 
@@ -189,6 +191,7 @@ class RankRuntime:
     def step(self) -> StepOutput:
         """One scheduler iteration (every rank); returns what it finished and generated."""
         arrivals = self.table.admit(self._hold)
+        self.look_ahead.arrivals(arrivals)  # looked up in L3 while the ranks agree
         aborts, self._aborts = self._aborts, []
         began = time.perf_counter()
         quiet = not self.table.running  # the same on every rank: what runs is agreed
@@ -200,7 +203,9 @@ class RankRuntime:
             record = self._arrive(claim, now)
             record.admit_step_at, record.admit_agreement_s = began, agreed.agreement_s
         for rid in agreed.aborted:
-            self._drop(rid, _aborted(rid), keep_output=True)
+            self._drop(
+                rid, RequestResult(rid=rid, finish_reason=FinishReason.ABORT), keep_output=True
+            )
         room = max(0, self.max_running - len(self.table.running))
         for ordinal, claim in enumerate(agreed.runnable[:room]):
             self._guarded(ordinal, claim.rid, self._start)
@@ -393,7 +398,3 @@ class RankRuntime:
             result.output_tokens = list(seq.generated)
             result.finish_reason = FinishReason.ABORT
         self._out.results.append(result)
-
-
-def _aborted(rid: str) -> RequestResult:
-    return RequestResult(rid=rid, finish_reason=FinishReason.ABORT)

@@ -12,6 +12,7 @@ import pytest
 
 from actors.faults import RankFault
 from hicache_ray.base.errors import ConfigError
+from hicache_ray.base.tokens import encode_tokens
 from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
 from tests.helpers import ensure_local_ray
@@ -125,6 +126,25 @@ def test_stats_health_and_idle(ray_local: None, tp2: Any) -> None:
     assert all(h.stepping and h.error is None for h in health)
     for rank in range(2):
         ray.get(_rank(tp2, rank).check_integrity.remote())
+
+
+def _lookaheads(deployment: Any, rank: int) -> int:
+    ctl = deployment.stats().ranks[rank].controller
+    assert ctl is not None
+    return int(ctl.prefetch_lookaheads)
+
+
+def test_a_peer_looks_a_hinted_prompt_up_and_ignores_bad_or_late_hints(
+    ray_local: None, tp2: Any
+) -> None:
+    tp2.wait_idle(timeout_s=30)  # no prefetch pending on any rank
+    key, peer = encode_tokens(prompt(12, 40)), _rank(tp2, 1)
+    before, steps = _lookaheads(tp2, 1), tp2.stats().ranks[1].controller.steps
+    assert not ray.get(peer.look_ahead.remote("not tokens", "", 0, steps + 100))
+    assert not ray.get(peer.look_ahead.remote(key, "", 0, 0))  # its step has passed
+    assert not ray.get(_rank(tp2, 0).look_ahead.remote(key, "", 0, steps + 100))
+    assert ray.get(peer.look_ahead.remote(key, "", 0, steps + 100))
+    assert _lookaheads(tp2, 1) == before + 1
 
 
 @pytest.mark.parametrize("victim", [1, 0])

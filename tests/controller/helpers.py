@@ -192,9 +192,9 @@ def gate_queries(reader: Driven) -> threading.Event:
     worker = reader.prefetch.query
     leading, gate = worker._leading, threading.Event()
 
-    def gated(task: FetchTask) -> int:
+    def gated(task: FetchTask, end: int) -> int:
         assert gate.wait(30)
-        return leading(task)
+        return leading(task, end)
 
     worker._leading = gated  # type: ignore[method-assign]
     return gate

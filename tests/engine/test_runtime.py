@@ -225,10 +225,12 @@ def test_a_request_waiting_on_its_prefetch_does_not_hold_others_back() -> None:
 
 
 def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Admission encodes the prompt; take, the tree walks and finish reuse the key."""
+    """Admission encodes the prompt; take, the tree walks and finish reuse the key. Rank 0's
+    look-ahead, before the admission step, encodes it once more (hints.py)."""
     import hicache_ray.cache.controller.claims
     import hicache_ray.cache.hicache
     import hicache_ray.cache.tree.radix_tree
+    import hicache_ray.engine.hints
     import hicache_ray.engine.runtime
     import hicache_ray.keys.page_hash
     from hicache_ray.base.tokens import encode_tokens
@@ -246,13 +248,14 @@ def test_a_prompt_is_encoded_once_per_request(monkeypatch: pytest.MonkeyPatch) -
         hicache_ray.cache.controller.claims,
         hicache_ray.keys.page_hash,
         hicache_ray.engine.runtime,
+        hicache_ray.engine.hints,
         hicache_ray.cache.tree.radix_tree,
     ):
         monkeypatch.setattr(module, "encode_tokens", counting)
     rt = runtime(MemoryObjects())
     run(rt, GenerateRequest("once", tokens, 4))
     drain(rt)
-    assert encoded == [len(tokens)]
+    assert encoded == [len(tokens), len(tokens)]  # the look-ahead's, then admission's
     rt.ctl.close()
 
 

@@ -33,6 +33,7 @@ from hicache_ray.cache.controller.fetch_task import FetchTask
 from hicache_ray.cache.controller.protocol import ArrivalLike
 from hicache_ray.cache.handle import CacheHandle
 from hicache_ray.cache.hicache import HiCache
+from hicache_ray.cache.tree.peek import cached_pages
 
 if TYPE_CHECKING:
     from hicache_ray.cache.controller.prefetch import PrefetchPipeline
@@ -157,6 +158,37 @@ class Claims:
                 c.deadline = c.admitted_at + wait_s
         self._stats.requests += 1
         return c
+
+    def look_ahead(self, key: bytes, cache_salt: str) -> int:
+        """On the step thread, for a prompt (``key``: its encoded tokens) this rank is about
+        to admit (rank 0's arrival, before its admission step): :meth:`look_ahead_from`
+        the pages past those cached here; that page (what a peer is told, its tree being
+        the same), or -1 if none."""
+        if self._prefetch is None or self._tasks:
+            return -1
+        cached = cached_pages(self._cache.tree, key, cache_salt)
+        return cached if self.look_ahead_from(key, cache_salt, cached) else -1
+
+    def look_ahead_from(self, key: bytes, cache_salt: str, start: int) -> bool:
+        """Look up in L3 now the pages from ``start`` of a prompt (``key``: its encoded
+        tokens) about to be admitted, so that its query at admission finds the answers
+        (and where the objects are) in the store client and asks the store nothing. Only
+        when the query at admission would be made and no other prefetch is pending here
+        (under load, look-aheads would queue ahead of admitted requests' queries). Any
+        thread (it reads no tree); whether a lookup was queued. It reads nothing."""
+        ps = self._page_size
+        whole = len(key) // (ps * TOKEN_BYTES)
+        pages = whole - start
+        if self._prefetch is None or self._tasks or pages <= 0:
+            return False
+        if len(key) // TOKEN_BYTES - start * ps < self._config.prefetch.threshold_tokens:
+            return False
+        if self._guarded and not self.cost.worth_querying(pages, pages * ps):
+            return False
+        salt = cache_salt or self._config.storage.tenant_salt
+        self._prefetch.look_ahead(FetchTask(key, whole, start, salt))
+        self._stats.prefetch_lookaheads += 1  # one thread a rank: the step's, or the peer's
+        return True
 
     def _query_pays(self, pages: int) -> bool:
         """Whether an L3 lookup of ``pages`` pages pays, by the guard's rates (a skipped

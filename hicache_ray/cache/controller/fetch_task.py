@@ -37,6 +37,7 @@ class FetchTask:
         self.pages_read = start_page
         self.read_started = False
         self.eager = False
+        self.ahead = False  # a look-ahead: no request's (PrefetchPipeline.look_ahead)
         self.cancelled = False
         self.failure: Failure | None = None
         self.prepared: Future[Any] | None = None

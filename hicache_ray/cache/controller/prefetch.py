@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from hicache_ray.base.workers import InboxWorker
 from hicache_ray.cache.controller.failure import Failure
@@ -34,8 +35,23 @@ from hicache_ray.storage import StorageBackend
 __all__ = ["FetchTask", "PrefetchPipeline"]
 
 QUERY_BATCH_PAGES = 1024  # pages per L3 lookup at least (batch_size_pages when larger)
+# A look-ahead's answer stands for its request's query this long: the query asks the store
+# only about pages it found (answered by the store client's cache), not the first it found
+# absent (absence is not cached: asking again cost a store round trip at admission).
+AHEAD_TRUST_S = 1.0
+MAX_AHEAD = 64  # look-ahead answers kept at most (the oldest go first)
 
 log = logging.getLogger(__name__)
+
+
+class _Ahead(NamedTuple):
+    """A look-ahead's answer: pages ``[start, end)`` found, at ``at`` (monotonic), and the
+    prompt's page hashes."""
+
+    start: int
+    end: int
+    at: float
+    hashes: list[str]
 
 
 class QueryWorker(InboxWorker[FetchTask]):
@@ -50,12 +66,32 @@ class QueryWorker(InboxWorker[FetchTask]):
         self.progress: Callable[[], None] = no_progress  # see PrefetchPipeline.on_progress
         self.start_read: Callable[[FetchTask], None] = no_read  # PrefetchPipeline.submit_read
         self.prepare_read: Callable[[FetchTask], None] = no_prepare  # ReadWorker.prepare
+        self._ahead: dict[tuple[bytes, str], _Ahead] = {}  # by (prompt, salt); this thread's
 
     def handle(self, task: FetchTask) -> None:
-        task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
+        ahead = None if task.ahead else self._take_ahead(task)
+        if ahead is not None:
+            task.hashes = ahead.hashes
+        else:
+            task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
         if task.eager and not task.cancelled:
             self.prepare_read(task)  # set up while the lookup below waits for the store
-        task.local_total = task.start_page + self._leading(task)
+        end = task.num_pages if ahead is None else min(task.num_pages, ahead.end)
+        task.local_total = task.start_page + self._leading(task, end)
+        if task.ahead:
+            self._ahead[(task.key, task.salt)] = _Ahead(
+                task.start_page, task.local_total, time.monotonic(), task.hashes
+            )
+            while len(self._ahead) > MAX_AHEAD:
+                del self._ahead[next(iter(self._ahead))]
+
+    def _take_ahead(self, task: FetchTask) -> _Ahead | None:
+        """A recent look-ahead's answer for ``task``'s prompt, from no later a page than
+        ``task``'s own start (else None: ``task`` asks the store about every page)."""
+        ahead = self._ahead.pop((task.key, task.salt), None)
+        if ahead is None or ahead.start > task.start_page:
+            return None
+        return ahead if time.monotonic() - ahead.at <= AHEAD_TRUST_S else None
 
     def failed(self, task: FetchTask, exc: Exception) -> None:
         log.warning("prefetch query failed: %s", exc)  # a miss, never a failed request
@@ -70,15 +106,17 @@ class QueryWorker(InboxWorker[FetchTask]):
             if task.read_end > task.read_start:
                 self.start_read(task)
         task.mark_queried()
-        self.progress()
+        if not task.ahead:  # a look-ahead's end changes no step's facts
+            self.progress()
 
-    def _leading(self, task: FetchTask) -> int:
+    def _leading(self, task: FetchTask, end: int) -> int:
+        """Leading stored pages of ``task`` from its start, asked up to page ``end``."""
         found = 0
         per_page = len(self._plan.objects)
-        for start in range(task.start_page, task.num_pages, self._batch):
+        for start in range(task.start_page, end, self._batch):
             if task.cancelled:
                 break
-            hashes = task.hashes[start : min(start + self._batch, task.num_pages)]
+            hashes = task.hashes[start : min(start + self._batch, end)]
             keys = [k for h in hashes for k in self._plan.keys(h)]
             pages = self._storage.exists(keys) // per_page
             found += pages
@@ -116,6 +154,13 @@ class PrefetchPipeline:
 
     def submit_query(self, task: FetchTask) -> None:
         self.turn.begin(task)
+        self.query.inbox.put(task)
+
+    def look_ahead(self, task: FetchTask) -> None:
+        """Look ``task``'s pages up ahead of the query of a request about to be admitted
+        (:meth:`Claims.look_ahead`): the store client keeps the answers for it. ``task`` is
+        no request's: nothing reads it, waits on it or holds backups for it."""
+        task.ahead = True
         self.query.inbox.put(task)
 
     def submit_read(self, task: FetchTask) -> None:
