@@ -191,9 +191,9 @@ class RankRuntime:
     def step(self) -> StepOutput:
         """One scheduler iteration (every rank); returns what it finished and generated."""
         arrivals = self.table.admit(self._hold)
-        self.look_ahead.arrivals(arrivals)  # looked up in L3 while the ranks agree
         aborts, self._aborts = self._aborts, []
-        began = time.perf_counter()
+        began = time.perf_counter()  # the admitting step's clock covers its look-ahead
+        self.look_ahead.arrivals(arrivals)  # looked up in L3 while the ranks agree
         quiet = not self.table.running  # the same on every rank: what runs is agreed
         agreed = self.ctl.step(arrivals, aborts, pending=self.table.claims(), quiet=quiet)
         if agreed.admitted and self.on_phase is not None:

@@ -70,3 +70,19 @@ def test_a_slow_agreement_lands_in_agreement() -> None:
     assert split.agreement_s >= DELAY_S, split
     assert _largest_but_forward(split) == "agreement_s", split
     assert abs(split.rank_s - result.ttft_s) < 1e-6, split
+
+
+def test_rank_0s_look_ahead_lands_in_the_admitting_step_not_the_queue() -> None:
+    rt = runtime(MemoryObjects())
+    look = rt.look_ahead._look
+
+    def slow(key: bytes, salt: str) -> int:
+        time.sleep(DELAY_S)  # the injected cost: a slow look-ahead before the rounds
+        return look(key, salt)
+
+    rt.look_ahead._look = slow
+    result = run(rt, GenerateRequest("a", prompt(4, 12), 2))
+    rt.ctl.close()
+    split = result.ttft_split
+    assert split.agreement_s >= DELAY_S and split.queue_s < DELAY_S, split
+    assert _largest_but_forward(split) == "agreement_s", split
