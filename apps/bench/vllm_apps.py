@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from apps.bench.shm_orphans import remove_orphans, shm_names
 from hicache_ray.base.errors import ConfigError
 
 __all__ = [
@@ -75,6 +76,7 @@ def _scratch() -> tuple[str, str, str]:
     inductor = Path(system) / f"torchinductor_{getpass.getuser()}"
     folder = tempfile.mkdtemp(prefix="hicache-vllm-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    atexit.register(remove_orphans, shm_names())  # what killed engines leave in /dev/shm
     env = os.environ
     return folder, env.get("RAY_TMPDIR", system), env.get("TORCHINDUCTOR_CACHE_DIR", str(inductor))
 
