@@ -65,8 +65,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# PYTHONFAULTHANDLER: a crash past pytest's own session (at interpreter exit) prints
-# every thread's stack too.
+# PYTHONFAULTHANDLER: a crash past pytest's own session prints every thread's stack too.
+# The test process ends itself once pytest has reported (tests/conftest.py): the
+# interpreter's teardown after it crashed twice, after every test had passed.
 unit: $(STAMP)
 	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q --ignore=tests/vllm
 
