@@ -138,12 +138,8 @@ class Claims:
         c = PrefixClaim(arrival, key, whole * ps * TOKEN_BYTES, m.best_match_node, cached)
         c.admitted_at = self._clock()
         prefetch = self._config.prefetch
-        past = len(arrival.tokens) - cached * ps
-        if (
-            self._prefetch is not None
-            and whole > cached
-            and past >= prefetch.threshold_tokens
-            and self._query_pays(whole - cached)
+        if self._prefetch is not None and self._would_query(
+            len(arrival.tokens), cached, count=True
         ):
             salt = arrival.cache_salt or self._config.storage.tenant_salt
             c.task = FetchTask(c.key, whole, cached, salt)
@@ -176,26 +172,28 @@ class Claims:
         when the query at admission would be made and no other prefetch is pending here
         (under load, look-aheads would queue ahead of admitted requests' queries). Any
         thread (it reads no tree); whether a lookup was queued. It reads nothing."""
-        ps = self._page_size
-        whole = len(key) // (ps * TOKEN_BYTES)
-        pages = whole - start
-        if self._prefetch is None or self._tasks or pages <= 0:
-            return False
-        if len(key) // TOKEN_BYTES - start * ps < self._config.prefetch.threshold_tokens:
-            return False
-        if self._guarded and not self.cost.worth_querying(pages, pages * ps):
+        tokens = len(key) // TOKEN_BYTES
+        if self._prefetch is None or self._tasks or not self._would_query(tokens, start):
             return False
         salt = cache_salt or self._config.storage.tenant_salt
-        self._prefetch.look_ahead(FetchTask(key, whole, start, salt))
+        self._prefetch.look_ahead(FetchTask(key, tokens // self._page_size, start, salt))
         self._stats.prefetch_lookaheads += 1  # one thread a rank: the step's, or the peer's
         return True
 
-    def _query_pays(self, pages: int) -> bool:
-        """Whether an L3 lookup of ``pages`` pages pays, by the guard's rates (a skipped
-        one is counted)."""
-        if not self._guarded or self.cost.worth_querying(pages, pages * self._page_size):
+    def _would_query(self, tokens: int, cached: int, *, count: bool = False) -> bool:
+        """Whether admission queries L3 for a prompt of ``tokens`` tokens with ``cached``
+        pages held here: whole pages past them, at least the threshold's tokens past them,
+        and a lookup that pays by the guard's rates (a skipped one counted with ``count``)."""
+        ps = self._page_size
+        pages = tokens // ps - cached
+        if pages <= 0:
+            return False
+        if tokens - cached * ps < self._config.prefetch.threshold_tokens:
+            return False
+        if not self._guarded or self.cost.worth_querying(pages, pages * ps):
             return True
-        self._stats.prefetch_queries_skipped += 1
+        if count:
+            self._stats.prefetch_queries_skipped += 1
         return False
 
     def _reserve(self, c: PrefixClaim) -> None:
