@@ -24,6 +24,7 @@ __all__ = [
     "shard_capacity",
     "shard_handle",
     "shard_name",
+    "spread_answer",
 ]
 
 log = logging.getLogger("actors.ray_store")
@@ -129,3 +130,8 @@ def check_shard_count(name: str, wanted: int, found: int | None) -> None:
             f"store {name!r} was created with {found} shards",
             "use the store's shard count (or 0 to join it), or another ray.name",
         )
+
+
+def spread_answer(answer: Any, n: int) -> list[Any]:
+    """A shard's per-key answer, or its failure repeated for each of its ``n`` keys."""
+    return [answer] * n if isinstance(answer, Exception) else list(answer)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from hicache_ray.base.tokens import TOKEN_BYTES, encode_tokens
 
-__all__ = ["MAX_SALT_CHARS", "LookAhead", "Tell", "hint_problem"]
+__all__ = ["MAX_SALT_CHARS", "LookAhead", "Lookups", "Tell", "hint_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +31,27 @@ MAX_SALT_CHARS = 1024  # as GenerateRequest.cache_salt
 Tell = Callable[[bytes, str, int, int], None]
 
 
-class LookAhead:
-    """Rank 0's look-ahead of its arrivals: ``look`` (encoded tokens, cache salt -> the
-    first page looked up, or -1) on this rank, then ``tell`` the other ranks (set by the rank actor
-    of a deployment of more than one rank) which step admits it: ``steps()`` (the steps
-    begun so far) + 1. A peer past that step drops the hint (the admission's own query ran
-    there)."""
+class Lookups(Protocol):
+    """Where a rank's look-aheads go (:class:`~hicache_ray.cache.controller.claims.Claims`)."""
 
-    def __init__(self, look: Callable[[bytes, str], int], steps: Callable[[], int]):
-        self._look, self._steps = look, steps
+    def look_ahead_start(self, key: bytes, cache_salt: str) -> int:
+        """The first page of a prompt to look up, or -1 for none."""
+
+    def look_ahead_from(self, key: bytes, cache_salt: str, start: int) -> bool:
+        """Look the prompt's pages up from ``start``; whether a lookup was queued."""
+
+
+class LookAhead:
+    """Rank 0's look-ahead of its arrivals: for each, the first page to look up
+    (``lookups.look_ahead_start``), then ``tell`` the other ranks (set by the rank actor of
+    a deployment of more than one rank) which step admits it (``steps()``, the steps begun
+    so far, + 1), then the lookup on this rank (``lookups.look_ahead_from``). A peer past
+    that step drops the hint (the admission's own query ran there). The peers are told
+    first: rank 0's own lookup wakes a thread that competes for the interpreter, and the
+    hint then left 1-2.5 ms later on 2 cores, the peer's lookup with it."""
+
+    def __init__(self, lookups: Lookups, steps: Callable[[], int]):
+        self._lookups, self._steps = lookups, steps
         self.tell: Tell | None = None
 
     def arrivals(self, requests: Sequence[Any]) -> int:
@@ -49,13 +61,14 @@ class LookAhead:
         for request in requests:
             try:
                 key = encode_tokens(request.tokens)  # once more than admission (24 us at 4k)
-                start = self._look(key, request.cache_salt)
-                if start >= 0 and self.tell is not None:
+                start = self._lookups.look_ahead_start(key, request.cache_salt)
+                if start < 0:
+                    continue
+                if self.tell is not None:
                     self.tell(key, request.cache_salt, start, self._steps() + 1)
+                looked += self._lookups.look_ahead_from(key, request.cache_salt, start)
             except Exception as exc:  # a closed store, an unreachable peer: a guess lost
                 log.debug("look-ahead of %s skipped: %s", getattr(request, "rid", "?"), exc)
-                continue
-            looked += start >= 0
         return looked
 
 

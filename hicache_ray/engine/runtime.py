@@ -117,7 +117,7 @@ class RankRuntime:
             else None
         )
         self._aborts: list[str] = []  # rank 0: aborted by callers, for the next step
-        self.look_ahead = LookAhead(controller.claims.look_ahead, lambda: controller.counters.steps)
+        self.look_ahead = LookAhead(controller.claims, lambda: controller.counters.steps)
         self._out = StepOutput()
 
     # -------------------------------------------------------------- requests

@@ -110,10 +110,14 @@ class StridedOut:
         out.array, out.nbytes = array, array.nbytes
         return out
 
-    def fill(self, src: memoryview | bytes) -> str:
-        """Copy ``src`` in (numpy copies without the GIL); the checksum of ``src``."""
-        source = np.frombuffer(src, dtype=self.array.dtype).reshape(self.array.shape)
-        np.copyto(self.array, source)
+    def fill(self, src: memoryview | bytes | np.ndarray) -> str:
+        """Copy ``src`` (a payload, or a contiguous 1-D uint8 array of one) in (numpy copies
+        without the GIL); the checksum of ``src``."""
+        array = self.array
+        if isinstance(src, np.ndarray):  # a view of it: a third of frombuffer's cost
+            np.copyto(array, src.view(array.dtype).reshape(array.shape))
+            return checksum(src.data)
+        np.copyto(array, np.frombuffer(src, dtype=array.dtype).reshape(array.shape))
         return checksum(src)
 
     def contents(self) -> bytes:
@@ -155,8 +159,9 @@ def flip_byte(out: ReadOut) -> None:
         out[out.nbytes // 2] ^= 0xFF
 
 
-def copy_hashed(src: memoryview, out: ReadOut) -> str:
-    """Copy ``src`` into ``out`` (same size) chunk by chunk; the checksum of the copy."""
+def copy_hashed(src: memoryview | np.ndarray, out: ReadOut) -> str:
+    """Copy ``src`` (or a contiguous 1-D uint8 array) into ``out`` (same size) chunk by
+    chunk; the checksum of the copy."""
     if isinstance(out, StridedOut):
         return out.fill(src)
     h = xxhash.xxh3_128()
@@ -199,10 +204,10 @@ def framed_size(key: str, namespace: str, page: torch.Tensor, payload: memoryvie
 
 
 def header_length(prefix: bytes | memoryview) -> int:
-    """The header length from the 8-byte frame prefix."""
+    """The header length from a frame's 8-byte prefix (``prefix``: it, or the frame)."""
     if len(prefix) < PREFIX_BYTES:
         raise CorruptPage(f"object shorter than its {PREFIX_BYTES}-byte frame prefix")
-    magic, length = _PREFIX.unpack(prefix[:PREFIX_BYTES])
+    magic, length = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptPage(f"bad magic {magic!r}")
     if length > _MAX_HEADER_BYTES:

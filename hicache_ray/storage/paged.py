@@ -186,7 +186,9 @@ class PagedBackend(PageWrites, StorageBackend):
             outcomes = [exc] * len(keys)  # whatever it wrote before failing is zeroed below
         done = len(outcomes)
         for i, outcome in enumerate(outcomes):
-            if not self._accept(keys[i], shapes[i], outs[i], outcome, i in verified):
+            if i in verified:  # read and verified on the store's copy thread
+                continue
+            if not self._accept(keys[i], shapes[i], outs[i], outcome):
                 done = i
                 if isinstance(outcome, Exception) and not isinstance(outcome, CorruptPage):
                     # The store failed (a shard restarting, a network error): what the
@@ -340,11 +342,9 @@ class PagedBackend(PageWrites, StorageBackend):
 
     # ------------------------------------------------------------------ reads
 
-    def _accept(
-        self, key: str, shape: tuple[int, ...], out: ReadOut, outcome: ReadOutcome, verified: bool
-    ) -> bool:
-        """Verify a read page (unless the store's copy thread did) and count it; else handle
-        the miss, failure or corruption."""
+    def _accept(self, key: str, shape: tuple[int, ...], out: ReadOut, outcome: ReadOutcome) -> bool:
+        """Verify a read page the store's copy thread did not; else handle the miss,
+        failure or corruption."""
         if outcome is None:
             with self._lock:
                 self._index.forget(key)
@@ -359,9 +359,8 @@ class PagedBackend(PageWrites, StorageBackend):
             return False
         header, digest = outcome
         try:
-            if not verified:
-                digest = digest if digest is not None else checksum_of(out)
-                verify(header, key, self._digest, self.plan_dtype, shape, digest)
+            digest = digest if digest is not None else checksum_of(out)
+            verify(header, key, self._digest, self.plan_dtype, shape, digest)
         except CorruptPage as exc:
             self._drop_corrupt(key, exc)
             return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from tests.storage.conftest import empty_buffers, make_pages, make_plan, page_ke
 
 ray = pytest.importorskip("ray")
 ray_store = pytest.importorskip("actors.ray_store")
+page_objects = pytest.importorskip("actors.page_objects")
 shards = pytest.importorskip("actors.shards")
 stores = pytest.importorskip("actors.stores")
 inspect = pytest.importorskip("actors.inspect")
@@ -277,8 +279,9 @@ def test_a_lost_object_is_a_miss_and_leaves_the_index(options, monkeypatch) -> N
     gone = refs[0].hex()  # the object holding the third key
     real = ray_store.RayObjects._fetch
 
-    def losing(self: Any, refs: list[Any]) -> dict[str, Any]:
-        return {k: v for k, v in real(self, refs).items() if k != gone}
+    def losing(self: Any, refs: list[Any]) -> list[Any]:
+        objects = real(self, refs)
+        return [None if r.hex() == gone else o for r, o in zip(refs, objects, strict=True)]
 
     monkeypatch.setattr(ray_store.RayObjects, "_fetch", losing)
     hits = backend.get(keys, empty_buffers(plan, 6))
@@ -297,7 +300,7 @@ def test_a_dead_owners_object_is_left_out(options) -> None:
     ref = ray.get(owner.make.remote())[0]
     ray.kill(owner)  # asynchronous: the owner is gone soon, not at once
     store = ray_store.RayObjects(options)
-    wait_until(lambda: store._fetch([ref]) == {}, what="the dead owner's object to be a miss")
+    wait_until(lambda: store._fetch([ref]) == [None], what="the dead owner's object to be a miss")
 
 
 def test_shard_count_mismatch_is_refused(options) -> None:
@@ -359,14 +362,17 @@ def test_pages_split_over_the_copy_threads_read_back_exact(options, monkeypatch)
     _backend(options, plan).put(keys, pages)
     monkeypatch.setattr("actors.page_objects.SPLIT_PAGE_BYTES", 1)  # these pages split
     jobs: list[int] = []
-    real = ray_store.copy_items
+    real = page_objects.copy_items
+    threads: set[str] = set()
 
     def counting(todo: list[Any], *args: Any) -> None:
         jobs.append(len(todo))
+        threads.add(threading.current_thread().name)
         real(todo, *args)
 
-    monkeypatch.setattr(ray_store, "copy_items", counting)
+    monkeypatch.setattr(page_objects, "copy_items", counting)
     buffers = empty_buffers(plan, 24)
     assert _backend(options, plan).get(keys, buffers) == 24
     assert sum(jobs) == 24 and len(jobs) >= 3  # every shard's pages on three threads
+    assert threading.current_thread().name in threads  # the last answer's first job here
     assert _equal(buffers, pages)

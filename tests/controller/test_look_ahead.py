@@ -1,9 +1,10 @@
 """A prompt about to be admitted is looked up in L3 ahead (``Claims.look_ahead``): the query
-at admission then finds the answers in the store client and asks the store nothing, and
-reads the same pages. Skipped where it cannot pay; a stale answer is not trusted."""
+at admission then asks nothing (neither the store nor its client's cache), and reads the
+same pages. Skipped where it cannot pay; a stale answer is not trusted."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,10 +65,18 @@ def test_the_query_at_admission_asks_the_store_nothing_after_a_look_ahead() -> N
     assert reader.claims.look_ahead(encode_tokens(tokens), "") == 0
     assert len(queued) == 1 and queued[0].queried.wait(30)
     assert queued[0].local_total == 8 and reader.stats().prefetch_lookaheads == 1
-    asked = objects.lookups
+    asked, storage = objects.lookups, reader.prefetch.query._storage
+    exists, queries = storage.exists, []
+
+    def counted(keys: Sequence[str]) -> int:
+        queries.append(threading.current_thread().name)
+        return exists(keys)
+
+    storage.exists = counted
     cached, _ = run_request(reader, "r", tokens)
     assert cached == 8  # every stored page, read from L3
     assert objects.lookups == asked  # nor the absent 9th page asked about again
+    assert "hicache-prefetch-query" not in queries  # nor the store client's cache
     assert reader.stats().prefetched_pages == 8
     drain(reader)
     reader.check_integrity()

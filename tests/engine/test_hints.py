@@ -18,35 +18,49 @@ class _Request:
     cache_salt: str = ""
 
 
-def test_rank_0_looks_each_arrival_up_and_tells_the_peers_which_step_admits_it() -> None:
-    looked: list[tuple[bytes, str]] = []
-    told: list[tuple[bytes, str, int, int]] = []
+def test_rank_0_tells_the_peers_which_step_admits_each_arrival_then_looks_it_up() -> None:
+    events: list[tuple[object, ...]] = []
 
-    def look(key: bytes, salt: str) -> int:
-        looked.append((key, salt))
-        return -1 if salt == "cached" else 2
+    class Lookups:
+        def look_ahead_start(self, key: bytes, salt: str) -> int:
+            return -1 if salt == "cached" else 2
 
-    ahead = LookAhead(look, lambda: 41)
+        def look_ahead_from(self, key: bytes, salt: str, first: int) -> bool:
+            events.append(("look", key, salt, first))
+            return salt != "full"  # a lookup not queued after all (a pending prefetch)
+
+    ahead = LookAhead(Lookups(), lambda: 41)
     assert ahead.arrivals([_Request("a", [1, 2, 3])]) == 1  # no peers to tell
-    ahead.tell = lambda *hint: told.append(hint)
+    ahead.tell = lambda *hint: events.append(("tell", *hint))
+    events.clear()
     requests = [_Request("b", [4, 5], "t"), _Request("c", [6], "cached")]
+    requests.append(_Request("d", [7], "full"))
     assert ahead.arrivals(requests) == 1
-    assert [salt for _, salt in looked] == ["", "t", "cached"]
-    assert told == [(encode_tokens([4, 5]), "t", 2, 42)]  # not the one cached here
+    b, d = encode_tokens([4, 5]), encode_tokens([7])
+    assert events == [  # each peer first; nothing for the one cached here
+        ("tell", b, "t", 2, 42),
+        ("look", b, "t", 2),
+        ("tell", d, "full", 2, 42),
+        ("look", d, "full", 2),
+    ]
 
 
 def test_a_look_ahead_that_fails_skips_that_request_alone() -> None:
-    def look(key: bytes, salt: str) -> int:
-        if salt == "bad":
-            raise OSError("store closed")
-        return 0
+    class Lookups:
+        def look_ahead_start(self, key: bytes, salt: str) -> int:
+            return 0
+
+        def look_ahead_from(self, key: bytes, salt: str, first: int) -> bool:
+            if salt == "bad":
+                raise OSError("store closed")
+            return True
 
     told: list[object] = []
-    ahead = LookAhead(look, lambda: 0)
+    ahead = LookAhead(Lookups(), lambda: 0)
     ahead.tell = lambda *hint: told.append(hint[0])
     requests = [_Request("a", [1], "bad"), _Request("b", [2**32]), _Request("c", [3])]
     assert ahead.arrivals(requests) == 1  # b's token cannot be encoded: no hint either
-    assert told == [encode_tokens([3])]
+    assert told == [encode_tokens([1]), encode_tokens([3])]  # a's peers were told first
 
 
 @pytest.mark.parametrize(

@@ -74,13 +74,17 @@ def test_a_slow_agreement_lands_in_agreement() -> None:
 
 def test_rank_0s_look_ahead_lands_in_the_admitting_step_not_the_queue() -> None:
     rt = runtime(MemoryObjects())
-    look = rt.look_ahead._look
+    lookups = rt.look_ahead._lookups
 
-    def slow(key: bytes, salt: str) -> int:
-        time.sleep(DELAY_S)  # the injected cost: a slow look-ahead before the rounds
-        return look(key, salt)
+    class Slow:
+        def look_ahead_start(self, key: bytes, salt: str) -> int:
+            time.sleep(DELAY_S)  # the injected cost: a slow look-ahead before the rounds
+            return lookups.look_ahead_start(key, salt)
 
-    rt.look_ahead._look = slow
+        def look_ahead_from(self, key: bytes, salt: str, start: int) -> bool:
+            return lookups.look_ahead_from(key, salt, start)
+
+    rt.look_ahead._lookups = Slow()
     result = run(rt, GenerateRequest("a", prompt(4, 12), 2))
     rt.ctl.close()
     split = result.ttft_split

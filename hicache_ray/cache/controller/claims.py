@@ -155,15 +155,21 @@ class Claims:
         self._stats.requests += 1
         return c
 
-    def look_ahead(self, key: bytes, cache_salt: str) -> int:
+    def look_ahead_start(self, key: bytes, cache_salt: str) -> int:
         """On the step thread, for a prompt (``key``: its encoded tokens) this rank is about
-        to admit (rank 0's arrival, before its admission step): :meth:`look_ahead_from`
-        the pages past those cached here; that page (what a peer is told, its tree being
-        the same), or -1 if none."""
+        to admit (rank 0's arrival, before its admission step): the first page past those
+        cached here (what a peer is told, its tree being the same) when
+        :meth:`look_ahead_from` it would look the prompt up, else -1. Changes nothing."""
         if self._prefetch is None or self._tasks:
             return -1
         cached = cached_pages(self._cache.tree, key, cache_salt)
-        return cached if self.look_ahead_from(key, cache_salt, cached) else -1
+        return cached if self._would_query(len(key) // TOKEN_BYTES, cached) else -1
+
+    def look_ahead(self, key: bytes, cache_salt: str) -> int:
+        """:meth:`look_ahead_start`, then :meth:`look_ahead_from` that page; the page, or
+        -1 if no lookup was queued."""
+        start = self.look_ahead_start(key, cache_salt)
+        return start if start >= 0 and self.look_ahead_from(key, cache_salt, start) else -1
 
     def look_ahead_from(self, key: bytes, cache_salt: str, start: int) -> bool:
         """Look up in L3 now the pages from ``start`` of a prompt (``key``: its encoded
