@@ -89,8 +89,7 @@ def copy_shares(todo: list[_Item], threads: int) -> list[list[_Item]]:
 class ReadBatch:
     """One read's state as the shards' answers arrive (``RayObjects.read_many``): each
     key's standing (``where``: True once copying, None if absent, or the failure), the
-    copies started, the keys whose objects are lost, and the objects fetched (``held``,
-    for the reader to release off its path)."""
+    copies started and the keys whose objects are lost."""
 
     def __init__(
         self, keys: Sequence[str], outs: Sequence[ReadOut], check: PageCheck | None
@@ -101,7 +100,6 @@ class ReadBatch:
         self.copied: dict[int, ReadOutcome] = {}
         self.jobs: list[Future[None]] = []
         self.lost: list[str] = []
-        self.held: list[list[list[Any] | None]] = []
 
     def fail(self, idx: list[int], failure: Exception) -> None:
         """Keys ``idx`` (one shard's) failed with ``failure``."""
@@ -134,7 +132,6 @@ class ReadBatch:
             elif i < self.gap:
                 self.where[i] = True
                 todo.append((i, obj, place[1], self.outs[i]))
-        self.held.append(objects)
         self.jobs += start_copies(pool, todo, self.copied, self.check, here=here)
 
     def outcomes(self) -> list[ReadOutcome]:
