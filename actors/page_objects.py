@@ -199,8 +199,8 @@ def copy_item(obj: list[Any], item: int, out: ReadOut) -> ReadOutcome:
 
 def _bytes_of(payload: Any) -> np.ndarray | memoryview:
     """A stored payload as it is copied: the byte array this module writes, as is (a
-    memoryview of it and numpy's ``frombuffer`` of that cost a 512-page TP=2 L3 hit about
-    0.7 ms on one core), or else a memoryview of whatever the object holds."""
+    memoryview of it and numpy's ``frombuffer`` of that cost a TP=2 rank's 512 objects
+    about 0.7 ms, in one warm process), or else a memoryview of whatever the object holds."""
     if (
         type(payload) is np.ndarray
         and payload.dtype == np.uint8

@@ -129,8 +129,8 @@ class ReadWorker(InboxWorker[FetchTask]):
         batch = self._batch
         if self._rows is None:
             batch = min(batch, STAGED_BATCH_PAGES)  # staging memory stays small and warm
-        # Set up here when nothing did (an eager read after a look-ahead: no lookup to
-        # overlap; the preparing thread's wake-up cost 1-1.7 ms of the hit's wait).
+        # Set up here when nothing did: an eager read after a look-ahead has no lookup to
+        # overlap, and a thread of its own would only add a hand-off.
         prepared = task.prepared.result() if task.prepared is not None else self._prepare(task)
         for start in range(task.read_start, task.read_end, batch):
             if task.cancelled:
