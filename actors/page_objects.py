@@ -215,17 +215,17 @@ def fetch_objects(refs: list[Any], timeout_s: float, store: str) -> list[list[An
     """The object of each of ``refs``, in order (zero-copy from the same node's store);
     None for a lost one (or one whose owner died)."""
     ids = [ref.hex() for ref in refs]
-    unique = list(dict(zip(ids, refs, strict=True)).values())
+    unique = dict(zip(ids, refs, strict=True))  # by id, each object once
     if not unique:
         return []
     found: dict[str, list[Any]] = {}
     try:
-        values = ray.get(unique, timeout=timeout_s)
-        found = {ref.hex(): v for ref, v in zip(unique, values, strict=True)}
+        values = ray.get(list(unique.values()), timeout=timeout_s)
+        found = dict(zip(unique, values, strict=True))
     except RayError:
-        for ref in unique:  # one by one, to tell the lost ones from the rest
+        for oid, ref in unique.items():  # one by one, to tell the lost ones from the rest
             try:
-                found[ref.hex()] = ray.get(ref, timeout=timeout_s)
+                found[oid] = ray.get(ref, timeout=timeout_s)
             except RayError as exc:
-                log.info("store %s: object %s is gone (%s)", store, ref.hex(), exc)
+                log.info("store %s: object %s is gone (%s)", store, oid, exc)
     return [found.get(i) for i in ids]

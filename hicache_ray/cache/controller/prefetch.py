@@ -75,9 +75,9 @@ class QueryWorker(InboxWorker[FetchTask]):
             task.hashes = ahead.hashes
         else:
             task.hashes = page_hashes(task.key, self._page_size, salt=task.salt or None)
-        if task.eager and not task.cancelled and ahead is None:
-            self.prepare_read(task)  # set up while the lookup below waits for the store
         if ahead is None:
+            if task.eager and not task.cancelled:
+                self.prepare_read(task)  # set up while the lookup below waits for the store
             task.local_total = task.start_page + self._leading(task, task.num_pages)
         else:  # found moments ago: asking again (the store client's cache) cost 0.5-1.4 ms
             task.local_total = max(task.start_page, min(task.num_pages, ahead.end))
