@@ -35,7 +35,6 @@ import torch
 
 from actors.faults import FaultHooks, RankFault
 from actors.metrics import StatsPublisher
-from actors.peers import peer_teller
 from actors.stats import RankHealth, RankStats, loop_health
 from actors.waiter import Waiter
 from hicache_ray.base.affinity import pin_process
@@ -44,7 +43,7 @@ from hicache_ray.cache.controller import CacheController, start_rendezvous
 from hicache_ray.cache.controller.consensus import Rendezvous
 from hicache_ray.cache.events import EventBatch, check_position
 from hicache_ray.engine.compose import RankPlace, compose_rank, rank_device
-from hicache_ray.engine.hints import hint_problem
+from hicache_ray.engine.hint_channel import HintReceiver, open_hints
 from hicache_ray.engine.request import (
     GenerateRequest,
     RequestError,
@@ -109,6 +108,7 @@ class RankActor:
         self._waiters: dict[str, Waiter] = {}  # guarded by _lock
         self._stopped: str | None = None  # guarded by _lock: why no request is taken
         self._loop: StepLoop | None = None
+        self._hints: HintReceiver | None = None  # ranks 1...: rank 0's look-ahead hints
         self.error: str | None = None
         self.model_backend = ""  # gloo or nccl, once the groups are joined
         self._publisher = StatsPublisher(config.name, rank)
@@ -148,8 +148,7 @@ class RankActor:
         )
         if self.controller.prefetch is not None:  # a prefetch's end starts the next step
             self.controller.prefetch.on_progress(self._loop.wake)
-            if self.rank == 0:
-                self.runtime.look_ahead.tell = peer_teller(self.config, self.generation)
+            self._hints = open_hints((host, port), self.rank, self.config, composed.runtime)
         self._loop.start()
 
     # -------------------------------------------------------------- requests
@@ -186,16 +185,6 @@ class RankActor:
         if self._loop is not None:
             self._loop.wake()
 
-    def look_ahead(self, key: bytes, cache_salt: str, start: int, step: int) -> bool:
-        """Not rank 0: rank 0 admits a prompt (``key``: its encoded tokens) in step ``step``
-        and looks its pages from ``start`` up in L3; so does this rank, now rather than
-        after that step (:mod:`hicache_ray.engine.hints`). A bad or late hint is ignored;
-        whether a lookup was queued."""
-        ctl = self.controller
-        if ctl is None or self.rank == 0 or hint_problem(key, cache_salt, start, step):
-            return False
-        return ctl.counters.steps <= step and ctl.claims.look_ahead_from(key, cache_salt, start)
-
     def _enqueue(self, request: object, *, stream: bool) -> Waiter | RequestResult:
         if self.rank != 0:
             raise ValueError("requests go to rank 0")
@@ -223,6 +212,8 @@ class RankActor:
         step; returns whether the loop ended within ``timeout_s`` (a rank blocked in a
         collective ends only when its peers stop or die)."""
         self._fail_pending(reason)
+        if self._hints is not None:
+            self._hints.close()
         if self._loop is None:
             return True
         return self._loop.stop(timeout_s)

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 __all__ = [
+    "HINT_OUTCOMES",
     "UNFULFILLED_REASONS",
     "CacheStats",
     "Unfulfilled",
@@ -40,6 +41,9 @@ class Unfulfilled(str, enum.Enum):
 
 
 UNFULFILLED_REASONS = tuple(r.value for r in Unfulfilled)
+# What became of each look-ahead hint a rank other than 0 read (hicache_ray.engine.hint_channel):
+# looked up, ignored (late, or this rank would not look the prompt up), or malformed.
+HINT_OUTCOMES = ("looked_up", "ignored", "malformed")
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,14 @@ class ControllerStats(msgspec.Struct, kw_only=True):
             "L3 lookups made before admission, for a request about to be admitted (queries)",
         ),
     ] = 0
+    lookahead_hints: Annotated[
+        dict[str, int],
+        counter(
+            "l3_lookahead_hints_{key}",
+            "Look-ahead hints this rank (not rank 0) read from rank 0: {key} (hints)",
+            keys=HINT_OUTCOMES,
+        ),
+    ] = msgspec.field(default_factory=lambda: dict.fromkeys(HINT_OUTCOMES, 0))
     unfulfilled_tokens: Annotated[
         dict[str, int],
         counter(

@@ -4,10 +4,11 @@ Rank 0 learns of a request when it arrives; the other ranks only when rank 0's a
 step broadcasts it, and each then sends its own L3 lookup: on 2 cores a TP=2 L3 hit's
 lookups went out 7-13 ms after its admission step began. So rank 0, before that step's
 rounds, looks its arrivals up itself and tells every other rank which pages to look up
-(``RankActor.look_ahead``): each rank's lookup then runs while the ranks agree, and the
-query at admission finds its answers in the store client
-(:meth:`~hicache_ray.cache.controller.claims.Claims.look_ahead_from`). Which pages: those
-past what rank 0's tree holds (every rank's tree holds the same prefixes).
+(over the store the ranks meet on: :mod:`hicache_ray.engine.hint_channel`): each rank's
+lookup then runs while the ranks agree, and the query at admission finds its answers in
+the store client (:meth:`~hicache_ray.cache.controller.claims.Claims.look_ahead_from`).
+Which pages: those past what rank 0's tree holds (every rank's tree holds the same
+prefixes).
 
 A hint is a guess: one that is wrong, late or malformed costs a lookup at most and never
 fails a request.

@@ -12,7 +12,6 @@ import pytest
 
 from actors.faults import RankFault
 from hicache_ray.base.errors import ConfigError
-from hicache_ray.base.tokens import encode_tokens
 from hicache_ray.engine.request import GenerateRequest
 from tests.actors.helpers import MODEL, cache_config, prompt, recompute, store_name
 from tests.helpers import ensure_local_ray
@@ -128,23 +127,24 @@ def test_stats_health_and_idle(ray_local: None, tp2: Any) -> None:
         ray.get(_rank(tp2, rank).check_integrity.remote())
 
 
-def _lookaheads(deployment: Any, rank: int) -> int:
+def _hints(deployment: Any, rank: int) -> dict[str, int]:
     ctl = deployment.stats().ranks[rank].controller
     assert ctl is not None
-    return int(ctl.prefetch_lookaheads)
+    return dict(ctl.lookahead_hints)
 
 
-def test_a_peer_looks_a_hinted_prompt_up_and_ignores_bad_or_late_hints(
+def test_rank_0_tells_its_peer_of_an_arrival_over_the_ranks_store(
     ray_local: None, tp2: Any
 ) -> None:
-    tp2.wait_idle(timeout_s=30)  # no prefetch pending on any rank
-    key, peer = encode_tokens(prompt(12, 40)), _rank(tp2, 1)
-    before, steps = _lookaheads(tp2, 1), tp2.stats().ranks[1].controller.steps
-    assert not ray.get(peer.look_ahead.remote("not tokens", "", 0, steps + 100))
-    assert not ray.get(peer.look_ahead.remote(key, "", 0, 0))  # its step has passed
-    assert not ray.get(_rank(tp2, 0).look_ahead.remote(key, "", 0, steps + 100))
-    assert ray.get(peer.look_ahead.remote(key, "", 0, steps + 100))
-    assert _lookaheads(tp2, 1) == before + 1
+    tp2.wait_idle(timeout_s=30)  # no prefetch pending on any rank: rank 0 looks ahead
+    before = sum(_hints(tp2, 1).values())
+    [result] = tp2.generate([GenerateRequest("hinted", prompt(913, 48), 1)])
+    assert result.error is None, result
+    deadline = time.monotonic() + 60  # read in about 0.1 ms; this bounds a broken run
+    while sum(_hints(tp2, 1).values()) == before:
+        assert time.monotonic() < deadline, "rank 1 read no look-ahead hint"
+    assert _hints(tp2, 1)["malformed"] == 0
+    assert sum(_hints(tp2, 0).values()) == 0  # rank 0 tells, and reads none
 
 
 @pytest.mark.parametrize("victim", [1, 0])

@@ -374,6 +374,7 @@ class CacheController:
         """A snapshot of every counter and gauge of this rank."""
         s = msgspec.structs.replace(self.counters, cache=self.cache.counters.snapshot())
         s.unfulfilled_tokens = dict(self.counters.unfulfilled_tokens)
+        s.lookahead_hints = dict(self.counters.lookahead_hints)  # the hint thread's counts
         dev, host = self.cache.device_pool.allocator, self.cache.host_pool.allocator
         s.device_pages_used, s.device_pages_total = dev.num_used_pages, dev.num_pages
         s.host_pages_used, s.host_pages_total = host.num_used_pages, host.num_pages
