@@ -38,8 +38,11 @@ class Lookups(Protocol):
     def look_ahead_start(self, key: bytes, cache_salt: str) -> int:
         """The first page of a prompt to look up, or -1 for none."""
 
-    def look_ahead_from(self, key: bytes, cache_salt: str, start: int) -> bool:
-        """Look the prompt's pages up from ``start``; whether a lookup was queued."""
+    def look_ahead_from(
+        self, key: bytes, cache_salt: str, start: int, *, here: bool = False
+    ) -> bool:
+        """Look the prompt's pages up from ``start`` (``here``: on the calling thread, now);
+        whether a lookup was made or queued."""
 
 
 class LookAhead:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -51,9 +52,9 @@ def _reader(stored_tokens: list[int]) -> tuple[Any, _Counted, list[FetchTask]]:
     queued: list[FetchTask] = []
     look_ahead = reader.prefetch.look_ahead
 
-    def counted(task: FetchTask) -> None:
+    def counted(task: FetchTask, *, here: bool = False) -> None:
         queued.append(task)
-        look_ahead(task)
+        look_ahead(task, here=here)
 
     reader.prefetch.look_ahead = counted
     return reader, objects, queued
@@ -127,4 +128,49 @@ def test_a_look_ahead_from_a_later_page_than_the_query_is_not_trusted() -> None:
     cached, _ = run_request(reader, "r", tokens)  # it holds none: asks from page 0
     assert cached == 8 and objects.lookups > asked
     drain(reader)
+    reader.close()
+
+
+def test_a_look_ahead_run_on_another_thread_answers_the_query_that_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer's hint thread runs its look-ahead itself (``here``); the query of the same
+    prompt, on the query thread meanwhile, waits for that answer and asks nothing."""
+    waiting, inside, gate = threading.Event(), threading.Event(), threading.Event()
+
+    class _Noting(threading.Event):  # the query thread's wait for the running look-ahead
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.set()
+            return super().wait(timeout)
+
+    monkeypatch.setattr(
+        prefetch_module, "threading", SimpleNamespace(Lock=threading.Lock, Event=_Noting)
+    )
+    tokens = prompt(67, 40)
+    reader, objects, queued = _reader(tokens[:32])
+    storage = reader.prefetch.query._storage
+    exists = storage.exists
+
+    def held(keys: Sequence[str]) -> int:  # the look-ahead's lookup, held until the query waits
+        inside.set()
+        assert gate.wait(30)
+        return exists(keys)
+
+    storage.exists = held
+    key = encode_tokens(tokens)
+    hint = threading.Thread(
+        target=lambda: reader.claims.look_ahead_from(key, "", 0, here=True), name="hint"
+    )
+    hint.start()
+    assert inside.wait(30)
+    storage.exists = exists
+    query = FetchTask(key, len(tokens) // PAGE, 0, reader.config.storage.tenant_salt)
+    reader.prefetch.query.inbox.put(query)
+    assert waiting.wait(30)  # the query waits for the look-ahead's answer...
+    asked = objects.lookups
+    gate.set()
+    hint.join(30)
+    assert query.queried.wait(30) and query.local_total == 8
+    assert objects.lookups == asked + 1  # ...and asks nothing itself
+    assert len(queued) == 1 and queued[0].local_total == 8
     reader.close()

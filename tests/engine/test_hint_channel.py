@@ -31,7 +31,10 @@ class _Lookups:
     def __init__(self) -> None:
         self.seen: queue.Queue[tuple[bytes, str, int]] = queue.Queue()
 
-    def look_ahead_from(self, key: bytes, cache_salt: str, start: int) -> bool:
+    def look_ahead_from(
+        self, key: bytes, cache_salt: str, start: int, *, here: bool = False
+    ) -> bool:
+        assert here  # the receiver's thread runs the lookup itself
         if cache_salt == "closing":
             raise RuntimeError("the prefetch pipeline is closed")
         self.seen.put((key, cache_salt, start))

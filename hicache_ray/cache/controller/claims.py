@@ -171,19 +171,24 @@ class Claims:
         start = self.look_ahead_start(key, cache_salt)
         return start if start >= 0 and self.look_ahead_from(key, cache_salt, start) else -1
 
-    def look_ahead_from(self, key: bytes, cache_salt: str, start: int) -> bool:
+    def look_ahead_from(
+        self, key: bytes, cache_salt: str, start: int, *, here: bool = False
+    ) -> bool:
         """Look up in L3 now the pages from ``start`` of a prompt (``key``: its encoded
         tokens) about to be admitted, so that its query at admission finds the answers
         (and where the objects are) in the store client and asks the store nothing. Only
         when the query at admission would be made and no other prefetch is pending here
         (under load, look-aheads would queue ahead of admitted requests' queries). Any
-        thread (it reads no tree); whether a lookup was queued. It reads nothing."""
+        thread (it reads no tree); ``here``: the lookup runs on it, not on the query
+        thread (:meth:`PrefetchPipeline.look_ahead`). Whether a lookup was made or queued.
+        It reads nothing."""
         tokens = len(key) // TOKEN_BYTES
         if self._prefetch is None or self._tasks or not self._would_query(tokens, start):
             return False
         salt = cache_salt or self._config.storage.tenant_salt
-        self._prefetch.look_ahead(FetchTask(key, tokens // self._page_size, start, salt))
         self._stats.prefetch_lookaheads += 1  # one thread a rank: the step's, or the peer's
+        task = FetchTask(key, tokens // self._page_size, start, salt)
+        self._prefetch.look_ahead(task, here=here)
         return True
 
     def _would_query(self, tokens: int, cached: int, *, count: bool = False) -> bool:
