@@ -12,6 +12,7 @@ from hicache_ray.keys.page_hash import page_hashes, salt_seed
 from hicache_ray.keys.plan import (
     KEY_SCHEMES,
     ObjectSpec,
+    PlanKeys,
     ShardPlan,
     check_keys,
     layer_chunks,
@@ -25,6 +26,7 @@ __all__ = [
     "Grid",
     "KVCacheNamespace",
     "ObjectSpec",
+    "PlanKeys",
     "ShardPlan",
     "check_keys",
     "describe_sharing",

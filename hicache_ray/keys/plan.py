@@ -22,6 +22,7 @@ the rank instead: one object per page with all of the rank's KV, shared by nobod
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable
 
@@ -38,6 +39,7 @@ __all__ = [
     "MAX_KEY_CHARS",
     "PAGE_HASH_CHARS",
     "ObjectSpec",
+    "PlanKeys",
     "ShardPlan",
     "check_keys",
     "layer_chunks",
@@ -50,11 +52,24 @@ MAX_KEY_CHARS = 255  # a file name on every filesystem we write to
 # A page hash, then ``_``-separated parts of letters, digits, ``.``, ``-``: no path
 # separator, no ``..`` component, nothing a filesystem or shell reads specially.
 _KEY = re.compile(r"[0-9a-f]{64}(?:_[A-Za-z0-9][A-Za-z0-9.-]*)+")
+_PAGE_HASH = re.compile(r"[0-9a-f]{64}")
+
+
+class PlanKeys(tuple[str, ...]):
+    """Keys :meth:`ShardPlan.keys_of` made from page hashes it checked: of the key grammar
+    by construction, so :func:`check_keys` passes them without a scan (a TP=2 lookup's
+    1,028 keys: 0.35 ms, one expression a key, on the L3 hit's lookup and again on its
+    read)."""
+
+    __slots__ = ()
 
 
 def check_keys(keys: Iterable[object]) -> None:
     """Raise ``ValueError`` naming the first key that is not a ``str`` of the key grammar
-    (a page hash, then ``_``-separated parts of ``[A-Za-z0-9.-]``, at most 255 characters)."""
+    (a page hash, then ``_``-separated parts of ``[A-Za-z0-9.-]``, at most 255 characters).
+    :class:`PlanKeys` are of it already."""
+    if type(keys) is PlanKeys:
+        return
     for key in keys:
         if type(key) is not str:
             raise ValueError(f"storage keys are str, got {type(key).__name__}: {key!r:.80}")
@@ -118,6 +133,21 @@ class ShardPlan(msgspec.Struct, frozen=True, kw_only=True):
         """Keys of this rank's objects of the page named ``page_hash``."""
         return [f"{page_hash}_{obj.suffix}" for obj in self.objects]
 
+    def keys_of(self, page_hashes: Iterable[str]) -> PlanKeys:
+        """:meth:`keys` of each page of ``page_hashes``, in order, checked once a page.
+
+        Raises:
+            ValueError: a page hash that is not 64 lowercase hex digits, or a suffix of this
+                plan that makes no key of the grammar.
+        """
+        suffixes = _checked_suffixes(tuple(obj.suffix for obj in self.objects))
+        out = []
+        for page_hash in page_hashes:
+            if type(page_hash) is not str or _PAGE_HASH.fullmatch(page_hash) is None:
+                raise ValueError(f"page hash {page_hash!r:.80} is not 64 lowercase hex digits")
+            out += [f"{page_hash}_{suffix}" for suffix in suffixes]
+        return PlanKeys(out)
+
     def spec_of(self, key: str) -> ObjectSpec | None:
         """The object ``key`` names in this plan, or None when it is not one of this rank's."""
         suffix = key[PAGE_HASH_CHARS + 1 :]
@@ -125,6 +155,13 @@ class ShardPlan(msgspec.Struct, frozen=True, kw_only=True):
             if obj.suffix == suffix:
                 return obj
         return None
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_suffixes(suffixes: tuple[str, ...]) -> tuple[str, ...]:
+    """``suffixes``, once each makes a key of the grammar (with any page hash)."""
+    check_keys([f"{'0' * PAGE_HASH_CHARS}_{suffix}" for suffix in suffixes])
+    return suffixes
 
 
 def _spec(

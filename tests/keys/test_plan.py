@@ -9,6 +9,7 @@ from hicache_ray.base.layout import ModelKV, Shard, ShardKV
 from hicache_ray.base.storage_config import StorageConfig
 from hicache_ray.keys import (
     KVCacheNamespace,
+    PlanKeys,
     ShardPlan,
     check_keys,
     describe_sharing,
@@ -212,3 +213,27 @@ def test_namespace_and_plan_round_trip_through_msgpack() -> None:
 def test_keys_outside_the_grammar_are_refused(key) -> None:
     with pytest.raises(ValueError, match="key"):
         check_keys(["a" * 64 + "_ok", key])
+
+
+def test_keys_of_pages_are_their_keys_in_order_and_pass_the_check_as_they_are() -> None:
+    plan = plan_shard(_kv(1, 4), _config(share_tp=(4,), share_pp=(1, 2)))
+    hashes = ["ab" * 32, "0f" * 32, "ab" * 32]
+    keys = plan.keys_of(hashes)
+    assert list(keys) == [k for h in hashes for k in plan.keys(h)]
+    assert isinstance(keys, PlanKeys) and plan.keys_of([]) == ()
+    check_keys(keys)  # made of checked hashes and suffixes: no scan
+    check_keys(keys[1:])  # a slice is a plain tuple: scanned, and of the grammar
+
+
+@pytest.mark.parametrize("page_hash", ["AB" * 32, "ab" * 31, "ab" * 32 + "_x", "../" * 22, 7, None])
+def test_keys_of_a_page_hash_outside_the_grammar_are_refused(page_hash) -> None:
+    plan = plan_shard(_kv(), _config())
+    with pytest.raises(ValueError, match="page hash"):
+        plan.keys_of(["ab" * 32, page_hash])
+
+
+def test_keys_of_a_plan_whose_suffix_makes_no_key_are_refused() -> None:
+    plan = plan_shard(_kv(), _config())
+    bad = msgspec.structs.replace(plan.objects[0], suffix="x/../../victim")
+    with pytest.raises(ValueError, match="key grammar"):
+        msgspec.structs.replace(plan, objects=(bad,)).keys_of(["ab" * 32])

@@ -147,7 +147,7 @@ class QueryWorker(InboxWorker[FetchTask]):
             if task.cancelled:
                 break
             hashes = task.hashes[start : min(start + self._batch, end)]
-            keys = [k for h in hashes for k in self._plan.keys(h)]
+            keys = self._plan.keys_of(hashes)
             pages = self._storage.exists(keys) // per_page
             found += pages
             if pages < len(hashes):

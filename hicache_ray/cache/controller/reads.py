@@ -111,7 +111,7 @@ class ReadWorker(InboxWorker[FetchTask]):
             return None
         start, end = task.read_start, min(task.read_start + self._batch, task.read_end)
         slots = task.host_pages[: end - start]
-        keys = [k for h in task.hashes[start : start + len(slots)] for k in self._plan.keys(h)]
+        keys = self._plan.keys_of(task.hashes[start : start + len(slots)])
         return _Prepared(start, self._storage.prepare_get_rows(keys, self._rows, slots))
 
     def handle(self, task: FetchTask) -> None:
