@@ -11,8 +11,11 @@ task got its slots at admission: the query thread hands it to the reader itself,
 pages it found, without waiting for a step (the ranks agree on what is used later).
 
 Workers only read and write the task's own fields and its host slots; allocation, the
-tree and every collective stay on the scheduler thread. A task is ``settled`` once no
-worker will touch its slots again; slots freed before that wait behind it as a fence.
+tree and every collective stay on the scheduler thread. A look-ahead (no request's task:
+:meth:`PrefetchPipeline.look_ahead`) runs on the query thread, or on the thread that asks
+for it (a peer's hint thread); the answers it leaves for the query are kept under a lock.
+A task is ``settled`` once no worker will touch its slots again; slots freed before that
+wait behind it as a fence.
 :class:`PrefetchPipeline` starts both threads and stops them (``close``) in one place.
 """
 
