@@ -25,12 +25,17 @@ class InboxWorker(threading.Thread, Generic[T]):
     def run(self) -> None:
         self.starting()
         while (item := self.inbox.get()) is not None:
-            try:
-                self.handle(item)
-            except Exception as exc:
-                self.failed(item, exc)
-            finally:
-                self.finished(item)
+            self.serve(item)
+
+    def serve(self, item: T) -> None:
+        """One item, on the calling thread: :meth:`handle`, :meth:`failed` if it raised,
+        :meth:`finished` in any case."""
+        try:
+            self.handle(item)
+        except Exception as exc:
+            self.failed(item, exc)
+        finally:
+            self.finished(item)
 
     def starting(self) -> None:
         """On the thread, before the first item."""

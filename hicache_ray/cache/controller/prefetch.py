@@ -83,15 +83,12 @@ class QueryWorker(InboxWorker[FetchTask]):
         with self._lock:
             self._running[prompt] = done
         try:
-            self.handle(task)
-        except Exception as exc:
-            self.failed(task, exc)
+            self.serve(task)
         finally:
             with self._lock:
                 if self._running.get(prompt) is done:
                     del self._running[prompt]
             done.set()
-            self.finished(task)
 
     def handle(self, task: FetchTask) -> None:
         ahead = None if task.ahead else self._take_ahead(task)
