@@ -39,7 +39,7 @@ from actors.lifecycle import (
 from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
 from actors.stats import RankHealth
-from hicache_ray.cache.events import EventBatch, check_position
+from hicache_ray.cache.events import EventBatch, check_position, check_wait
 from hicache_ray.engine.request import (
     GenerateRequest,
     RequestError,
@@ -315,21 +315,20 @@ class Deployment(RankSet):
             ranks=answers,
         )
 
-    def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None:
+    def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[EventBatch] | None:
         """The cache events of the serving generation after batch ``seq`` of journal
-        ``epoch`` (:mod:`hicache_ray.cache.events`); None: take :meth:`cache_snapshot` (the
-        deployment re-formed since, or the batches are no longer kept, or it has no ranks).
+        ``epoch`` (:mod:`hicache_ray.cache.events`), waiting up to ``wait_s`` for one when
+        none is new; None: take :meth:`cache_snapshot` (the deployment re-formed since, or
+        the batches are no longer kept, or it has no ranks).
 
         Raises:
-            TypeError, ValueError: ``epoch`` not a str, ``seq`` not an int >= 0.
+            TypeError, ValueError: ``epoch`` not a str, ``seq`` not an int >= 0, ``wait_s``
+                not a number in [0, 10].
         """
         epoch, seq = check_position(epoch, seq)
-        ranks = self._ranks()
-        if not ranks:
-            return None
-        batches: list[EventBatch] | None = ray.get(
-            ranks[0].cache_events.remote(epoch, seq), timeout=30
-        )
+        wait_s, ranks = check_wait(wait_s), self._ranks()
+        ref = ranks[0].cache_events.remote(epoch, seq, wait_s) if ranks else None
+        batches: list[EventBatch] | None = ray.get(ref, timeout=30 + wait_s) if ref else None
         return batches
 
     def cache_snapshot(self) -> EventBatch:

@@ -17,6 +17,8 @@ published.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -24,7 +26,7 @@ from typing import Any, Protocol
 
 import ray
 
-from hicache_ray.cache.events import EventBatch
+from hicache_ray.cache.events import EventBatch, check_wait
 from hicache_ray.serving.cache_index import Hits
 from hicache_ray.serving.index_feed import FeedUpdate, IndexFeed
 
@@ -32,9 +34,11 @@ __all__ = ["EventSource", "IndexActor", "Publisher", "find_index", "index_actor"
 
 log = logging.getLogger(__name__)
 
-PUBLISH_EVERY_S = 0.02  # how often a replica sends its new cache events to the index
+PUBLISH_EVERY_S = 0.02  # a replica's pause after sending new cache events to the index
+POLL_S = 0.5  # how long a replica's (or a router's) ask waits for the next change
 FIND_EVERY_S = 1.0  # how often a replica looks for an index no router has made yet
-SILENT_S = 30.0  # a replica that has not published for this long is gone from the index
+HEARTBEAT_S = 1.0  # how often a replica asks its position (it is alive; still placed?)
+SILENT_S = 30.0  # a replica that has not asked its position this long is gone from the index
 _NAMESPACE = "hicache"
 
 
@@ -48,6 +52,7 @@ class IndexActor:
 
         self.feed = IndexFeed()
         self.index = self.feed.index
+        self._tick: asyncio.Event | None = None  # set at the next change (routers wait)
         self._app = app
         self._seen: dict[str, float] = {}  # replica -> when it last asked its position
         self._pages = Gauge(
@@ -67,35 +72,49 @@ class IndexActor:
         self._lag.set(lag, tags={"app": self._app, "replica": replica})
 
     def position(self, replica: str) -> tuple[str, int]:
-        """Where ``replica``'s journal stands here; the publisher asks every round, so this
-        is its heartbeat: a replica silent for ``SILENT_S`` (killed without a goodbye) is
-        forgotten, its pages with it."""
+        """Where ``replica``'s journal stands here; the publisher asks every
+        ``HEARTBEAT_S``, so this is its heartbeat: a replica silent for ``SILENT_S``
+        (killed without a goodbye) is forgotten, its pages with it."""
         now = time.monotonic()
         self._seen[replica] = now
         for other, seen in list(self._seen.items()):
             if now - seen > SILENT_S:
                 del self._seen[other]
                 self.feed.remove(other)
+                self._changed()
         return self.index.position(replica)
 
     def apply(self, replica: str, batches: list[EventBatch]) -> bool:
         """Apply ``replica``'s batches in order; False at the first that does not follow."""
         applied = self.feed.apply(replica, batches)
         self._observe(replica)
+        self._changed()
         return applied
 
     def reset(self, replica: str, snapshot: EventBatch) -> None:
         self.feed.reset(replica, snapshot)
         self._observe(replica)
+        self._changed()
 
     def remove(self, replica: str) -> None:
         self._seen.pop(replica, None)
         self.feed.remove(replica)
+        self._changed()
 
-    def changes(self, epoch: str, seq: int) -> FeedUpdate:
+    async def changes(self, epoch: str, seq: int, wait_s: float = 0.0) -> FeedUpdate:
         """What a router's copy of the index at ``(epoch, seq)`` needs
-        (:meth:`~hicache_ray.serving.index_feed.IndexFeed.changes`)."""
+        (:meth:`~hicache_ray.serving.index_feed.IndexFeed.changes`); a copy that has every
+        change waits up to ``wait_s`` for the next (a long poll)."""
+        if check_wait(wait_s) > 0 and (epoch, seq) == (self.feed.epoch, self.feed.seq):
+            tick = self._tick = self._tick or asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(tick.wait(), wait_s)
         return self.feed.changes(epoch, seq)
+
+    def _changed(self) -> None:  # on the actor's event loop: wake the routers waiting
+        tick, self._tick = self._tick, None
+        if tick is not None:
+            tick.set()
 
     def hits(self, replicas: list[str], hashes: list[str]) -> dict[str, Hits]:
         return {r: self.index.hits(r, hashes) for r in replicas}
@@ -135,53 +154,72 @@ def _name(app: str) -> str:
 
 
 class EventSource(Protocol):
-    """A journal of one replica's cache: a :class:`Deployment`'s, or a vLLM engine's
-    (:class:`~hicache_ray.integrations.vllm.events.VllmJournal`)."""
+    """A journal of one replica's cache: a :class:`Deployment`'s (it waits up to
+    ``wait_s`` for a batch when none is new), or a vLLM engine's (:class:`~hicache_ray.
+    integrations.vllm.events.VllmJournal`, in the replica's process: it answers at once)."""
 
-    def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None: ...
+    def cache_events(
+        self, epoch: str, seq: int, wait_s: float = 0.0
+    ) -> list[EventBatch] | None: ...
 
     def cache_snapshot(self) -> EventBatch: ...
 
 
 class Publisher(threading.Thread):
-    """Sends one replica's cache events to the index, every ``PUBLISH_EVERY_S``, once a
-    router has made it (nobody reads it before; the first batch then is a snapshot). Until
-    then it looks for it every ``FIND_EVERY_S``: behind Ray's routers (``prefix``,
-    ``pow2``) no router makes one, and a lookup is a call to Ray's control store."""
+    """Sends one replica's cache events to the index once a router has made it (nobody
+    reads it before; the first batch then is a snapshot). Each round asks the replica's
+    journal for its batches after the last one sent, waiting up to ``POLL_S`` for one
+    (a long poll: an idle replica makes no call), sends them, then pauses
+    ``PUBLISH_EVERY_S`` so that a busy replica's events go in batches. Its position in
+    the index is asked every ``HEARTBEAT_S`` (the index's sign that it lives), and again
+    after any failure. Until an index exists it looks for one every ``FIND_EVERY_S``:
+    behind Ray's routers (``prefix``, ``pow2``) no router makes one, and a lookup is a
+    call to Ray's control store."""
 
     def __init__(self, source: EventSource, app: str, replica: str) -> None:
         super().__init__(name="hicache-events", daemon=True)
         self._deployment, self._app, self._replica = source, app, replica
         self._halt = threading.Event()
         self._index: Any = None
+        self._position: tuple[str, int] | None = None  # the index's, as last known
+        self._asked = float("-inf")  # when the position was last asked
 
     def run(self) -> None:
         wait = PUBLISH_EVERY_S
         while not self._halt.wait(wait):
             try:
-                wait = PUBLISH_EVERY_S if self._publish() else FIND_EVERY_S
+                wait = self._publish()
             except ray.exceptions.ActorDiedError as exc:
                 if "IndexActor" in str(exc):  # its maker went: found again once remade
                     self._index = None
+                self._position = None
                 log.debug("cache events of %s not published: %s", self._replica, exc)
             except Exception as exc:  # the ranks are re-forming, or slow: next round
+                self._position = None
                 log.debug("cache events of %s not published: %s", self._replica, exc)
 
-    def _publish(self) -> bool:
-        """Send what is new; False when there is no index to send it to."""
+    def _publish(self) -> float:
+        """Send what is new; the pause before the next round."""
         if self._index is None:
             self._index = find_index(self._app)
             if self._index is None:
-                return False  # no router has made it yet
-        epoch, seq = ray.get(self._index.position.remote(self._replica), timeout=10)
-        batches = self._deployment.cache_events(epoch, seq)
+                return FIND_EVERY_S  # no router has made it yet
+        if self._position is None or time.monotonic() - self._asked >= HEARTBEAT_S:
+            self._asked = time.monotonic()
+            ask = self._index.position.remote(self._replica)
+            epoch, seq = ray.get(ask, timeout=10)
+            self._position = (epoch, seq)
+        batches = self._deployment.cache_events(*self._position, wait_s=POLL_S)
         if batches is None:
             snapshot = self._deployment.cache_snapshot()
             ray.get(self._index.reset.remote(self._replica, snapshot), timeout=10)
-        elif batches and not ray.get(self._index.apply.remote(self._replica, batches), timeout=10):
-            # a gap: forgotten, so the next round's position asks for a snapshot
+            self._position = (snapshot.epoch, snapshot.seq)
+        elif batches and ray.get(self._index.apply.remote(self._replica, batches), timeout=10):
+            self._position = (batches[-1].epoch, batches[-1].seq)
+        elif batches:  # a gap: forgotten, so the next round's position asks for a snapshot
             ray.get(self._index.remove.remote(self._replica), timeout=10)
-        return True
+            self._position = None
+        return PUBLISH_EVERY_S
 
     def stop(self) -> None:
         self._halt.set()

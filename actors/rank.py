@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from actors.event_poll import FlushWatch
 from actors.faults import FaultHooks, RankFault
 from actors.metrics import StatsPublisher
 from actors.stats import RankHealth, RankStats, loop_health
@@ -41,7 +42,7 @@ from hicache_ray.base.affinity import pin_process
 from hicache_ray.base.errors import HiCacheError
 from hicache_ray.cache.controller import CacheController, start_rendezvous
 from hicache_ray.cache.controller.consensus import Rendezvous
-from hicache_ray.cache.events import EventBatch, check_position
+from hicache_ray.cache.events import EventBatch, check_position, check_wait
 from hicache_ray.engine.compose import RankPlace, compose_rank, rank_device
 from hicache_ray.engine.hint_channel import HintReceiver, open_hints
 from hicache_ray.engine.request import (
@@ -114,6 +115,7 @@ class RankActor:
         self._publisher = StatsPublisher(config.name, rank)
         self._published_at = 0.0
         self._faults: FaultHooks | None = None  # none unless a test injects one
+        self._flushes = FlushWatch()  # cache_events' long polls
 
     # --------------------------------------------------------------- forming
 
@@ -253,14 +255,19 @@ class RankActor:
             inbox = bool(self._inbox)
         return rt is not None and not (inbox or rt.has_work or rt.busy)
 
-    def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None:
+    async def cache_events(
+        self, epoch: str, seq: int, wait_s: float = 0.0
+    ) -> list[EventBatch] | None:
         """Rank 0: the cache-event batches after batch ``seq`` of journal ``epoch``; None
         when the caller must take :meth:`cache_snapshot` instead (another journal: this
-        generation's is new; or batches no longer kept)."""
+        generation's is new; or batches no longer kept). None new yet: waits up to
+        ``wait_s`` for the next (a long poll, :mod:`actors.event_poll`)."""
         epoch, seq = check_position(epoch, seq)  # a named actor: anyone can call it
+        wait_s = check_wait(wait_s)
         events = self.controller.events if self.controller is not None else None
         if events is None or epoch != events.epoch:
             return None
+        await self._flushes.wait(events, seq, wait_s)
         return events.since(seq)
 
     def cache_snapshot(self) -> EventBatch:

@@ -37,7 +37,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from actors.deployment import Deployment
-from actors.index_actor import IndexActor, Publisher, index_actor
+from actors.index_actor import POLL_S, IndexActor, Publisher, index_actor
 from actors.openai_engine import EngineCall, OpenAIEngine
 from hicache_ray.engine.spec import DeploymentConfig
 from hicache_ray.keys import page_hashes
@@ -51,7 +51,7 @@ __all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
 log = logging.getLogger(__name__)
 
 INDEX_WAIT_S = 0.1  # a routing decision waits this long for the index, then goes pow2
-COPY_EVERY_S = 0.02  # how often a router updates its copy of the index
+COPY_EVERY_S = 0.02  # a router's pause after its copy of the index took changes
 COPY_FRESH_S = 1.0  # a copy older than this is not read: the router asks the index
 
 
@@ -233,16 +233,22 @@ class CacheAwareRouter(RequestRouter):
         return facts  # type: ignore[no-any-return]
 
     async def _keep_copy(self) -> None:
-        """Update this router's copy of the index every ``COPY_EVERY_S``, for good."""
+        """Keep this router's copy of the index, for good: ask for the changes since it
+        (the answer waits up to ``POLL_S`` for one: a long poll), and pause
+        ``COPY_EVERY_S`` after changes, so that a busy index's come in batches."""
         while True:
+            pause = COPY_EVERY_S
             try:
-                ref = self._index_actor().changes.remote(self._copy.epoch, self._copy.seq)
+                copy = self._copy
+                ref = self._index_actor().changes.remote(copy.epoch, copy.seq, POLL_S)
                 update = await asyncio.wait_for(asyncio.wrap_future(ref.future()), 10.0)
-                self._copy.update(update)
+                copy.update(update)
                 self._copy_at = time.monotonic()
+                if update.whole is None and not update.changes:
+                    pause = 0.0  # it waited: nothing changed
             except Exception as exc:  # the next round asks again
                 self._lost(exc)
-            await asyncio.sleep(COPY_EVERY_S)
+            await asyncio.sleep(pause)
 
     def _index_actor(self) -> Any:
         if self._index is None:

@@ -39,6 +39,7 @@ __all__ = [
     "MEDIUM",
     "STORE_MEDIUM",
     "check_position",
+    "check_wait",
     "kept_since",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -121,6 +122,23 @@ def check_position(epoch: object, seq: object) -> tuple[str, int]:
     return epoch, seq
 
 
+MAX_WAIT_S = 10.0  # the longest a subscriber's long poll may wait for the next batch
+
+
+def check_wait(wait_s: object) -> float:
+    """How long a subscriber's long poll waits for a batch (seconds), checked.
+
+    Raises:
+        TypeError: ``wait_s`` is not a number.
+        ValueError: it is not in ``[0, MAX_WAIT_S]``.
+    """
+    if isinstance(wait_s, bool) or not isinstance(wait_s, int | float):
+        raise TypeError(f"wait_s must be a number of seconds, got {type(wait_s).__name__}")
+    if not 0.0 <= wait_s <= MAX_WAIT_S:
+        raise ValueError(f"wait_s must be in [0, {MAX_WAIT_S}] seconds, got {wait_s}")
+    return float(wait_s)
+
+
 def kept_since(kept: deque[EventBatch], last: int, seq: int) -> list[EventBatch] | None:
     """The batches of ``kept`` (the last of them ``last``) after ``seq``; None when some
     of them are no longer kept."""
@@ -154,6 +172,7 @@ class CacheEvents:
         self._kept: deque[EventBatch] = deque(maxlen=keep_batches)
         self._lock = threading.Lock()  # guards _kept and seq (subscribers read them)
         self.seq = 0  # of the last batch flushed
+        self._flushed: list[Callable[[], None]] = []  # told of each new batch
 
     # ---------------------------------------------------------- tree observer
 
@@ -193,7 +212,14 @@ class CacheEvents:
                 self.seq += 1
                 batch = KVEventBatch(self._clock(), events)
                 self._kept.append(EventBatch(self.epoch, self.seq, batch))
+            for tell in self._flushed:
+                tell()
         return self.seq
+
+    def on_flush(self, tell: Callable[[], None]) -> None:
+        """Call ``tell`` (on the flushing thread: it must be quick) after each new batch;
+        a subscriber's long poll wakes on it."""
+        self._flushed.append(tell)
 
     def since(self, seq: int) -> list[EventBatch] | None:
         """The batches after ``seq`` (any thread); None when some of them are no longer

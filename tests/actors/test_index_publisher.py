@@ -9,6 +9,7 @@ import pytest
 
 from actors import index_actor
 from actors.index_actor import FIND_EVERY_S, PUBLISH_EVERY_S, Publisher
+from hicache_ray.cache.events import EventBatch, KVEventBatch
 
 
 class _Halt:
@@ -44,11 +45,11 @@ class _Index:
 
 
 class _Source:
-    def cache_events(self, epoch: str, seq: int) -> list[Any] | None:
+    def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[Any] | None:
         return None  # a new subscriber: the snapshot
 
     def cache_snapshot(self) -> Any:
-        return "snapshot"
+        return EventBatch("e", 0, KVEventBatch(0.0, []))
 
 
 def test_a_publisher_looks_for_the_index_slowly_and_never_makes_it(
@@ -72,3 +73,71 @@ def test_a_publisher_looks_for_the_index_slowly_and_never_makes_it(
     # the first wait is the publishing pace; after each miss, the slow one; then the pace
     assert halt.waits == [PUBLISH_EVERY_S, FIND_EVERY_S, FIND_EVERY_S] + [PUBLISH_EVERY_S] * 3
     assert found[2].sent == 3  # a snapshot each round once found (the fake never advances)
+
+
+class _Journal:
+    """A replica's journal: batches ``e``/1..``last``; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.last, self.asked = 2, []
+
+    def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[Any] | None:
+        self.asked.append((epoch, seq, wait_s))
+        if epoch != "e":
+            return None
+        return [EventBatch("e", n, KVEventBatch(0.0, [])) for n in range(seq + 1, self.last + 1)]
+
+    def cache_snapshot(self) -> Any:
+        return EventBatch("e", self.last, KVEventBatch(0.0, []))
+
+
+class _Recorder:
+    """An index actor's handle: ``position`` answers ``where``; ``apply`` answers ``ok``."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.where, self.ok = ("", 0), True
+
+    def __getattr__(self, method: str) -> Any:
+        outer = self
+
+        class _Method:
+            def remote(self, *args: Any) -> Any:
+                outer.calls.append(method)
+                return {"position": outer.where, "apply": outer.ok}.get(method)
+
+        return _Method()
+
+
+def test_a_publisher_sends_only_what_is_new_and_asks_its_position_once_a_heartbeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actors.index_actor import HEARTBEAT_S, POLL_S
+
+    now = [50.0]
+    index, journal = _Recorder(), _Journal()
+    monkeypatch.setattr(index_actor, "find_index", lambda app: index)
+    monkeypatch.setattr("actors.index_actor.ray.get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr("actors.index_actor.time.monotonic", lambda: now[0])
+    publisher = Publisher(journal, "app", "replica-a")
+
+    def rounds(n: int) -> list[str]:
+        index.calls.clear()
+        for _ in range(n):
+            assert publisher._publish() == PUBLISH_EVERY_S
+        return index.calls
+
+    assert rounds(1) == ["position", "reset"]  # unknown there: the snapshot
+    assert journal.asked[-1] == ("", 0, POLL_S)  # a long poll on the journal
+    assert rounds(3) == []  # nothing new: no call at all
+    assert journal.asked[-3:] == [("e", 2, POLL_S)] * 3
+    journal.last = 4
+    assert rounds(2) == ["apply"]  # batches 3 and 4, once
+    assert journal.asked[-1] == ("e", 4, POLL_S)
+    now[0] += HEARTBEAT_S
+    index.where = ("e", 4)
+    assert rounds(2) == ["position"]  # the heartbeat, once a second
+    journal.last, index.ok = 5, False  # the index has lost track: it is forgotten there
+    assert rounds(1) == ["apply", "remove"]
+    index.where = ("", 0)
+    assert rounds(1) == ["position", "reset"]  # asked again at once: the snapshot

@@ -5,13 +5,17 @@ itself on fake replicas (hits per tier, load, no information)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
 import socket
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +28,7 @@ from tests.helpers import ensure_local_ray, wait_until
 ray = pytest.importorskip("ray")
 
 PAGE = 4
+PAGES = 12  # pages of each first turn the copy test sends
 LONG = 1800  # tokens of an answer that replicas are killed in the middle of (L1: 2,048)
 
 
@@ -104,23 +109,9 @@ def test_the_next_turn_reaches_the_replica_that_holds_its_history(
     ray_local: None, two_replicas: int
 ) -> None:
     port = two_replicas
-    turns: list[list[int]] = []
-    holders: dict[int, str] = {}
-    for attempt in range(3):  # first turns at once, so they spread over both replicas
-        new = [
-            [(7 * c + i) % 200 + 1 for i in range(10 * PAGE)]
-            for c in range(6 * attempt, 6 * attempt + 6)
-        ]
-        with concurrent.futures.ThreadPoolExecutor(len(new)) as pool:
-            answers = list(pool.map(lambda p: _complete(port, p), new))
-        assert all(_cached(a) == 0 for a in answers)  # nothing cached anywhere yet
-        index = _index()  # the router made it for the first call
-        turns += new
-        wait_until(partial(_all_held, index, list(turns)), 60, "the first turns in the index")
-        holders = _holders(index, turns)
-        if len(set(holders.values())) == 2:
-            break
-    assert len(set(holders.values())) == 2, "the first turns all went to one replica"
+    turns = _spread(port, [[(7 * c + i) % 200 + 1 for i in range(10 * PAGE)] for c in range(18)])
+    index = _index()
+    holders = _holders(index, turns)
     for _ in range(2):  # later turns, one at a time: each history is on one replica only
         for c, prompt in enumerate(turns):
             turns[c] = prompt + [(c + len(prompt)) % 200 + 1 for _ in range(2 * PAGE)]
@@ -303,3 +294,107 @@ def test_a_replica_silent_for_long_is_forgotten_by_the_index(
     now[0] += SILENT_S / 2 + 1  # b silent for longer than SILENT_S, a not
     index.position("a")
     assert index.replicas() == ["a"] and index.size() == 1
+
+
+class _Follower:
+    """A cache router of the app in this process: its own task keeps its copy of the
+    index, on an event loop of its own, as in an ingress."""
+
+    def __init__(self) -> None:
+        from actors.routing import CacheAwareRouter
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.router: Any = CacheAwareRouter.__new__(CacheAwareRouter)
+        self.router.initialize_state(app=f"openai-{os.getpid()}", page_size=PAGE, wait_s=30)
+        self.router._replica_queue_len_cache = SimpleNamespace(get=lambda _: 0)
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+    def device(self, replica: str, prompt: list[int]) -> int:
+        """Leading pages of ``prompt`` in ``replica``'s L1, as this router's copy shows."""
+
+        async def read(hashes: list[str]) -> int:
+            await self.router._facts([replica], hashes)  # starts its task on the first call
+            return int(self.router._copy.index.hits(replica, hashes).device)
+
+        return int(self._run(read(page_hashes(prompt, PAGE))))
+
+    def first(self, replicas: list[str], prompt: list[int]) -> str:
+        """Where this router sends ``prompt`` first (no work pending anywhere)."""
+        fake = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in replicas]
+        hashes = page_hashes(prompt, PAGE)
+        ranked = self._run(self.router._ranked(fake, len(prompt), hashes, False))
+        return str(ranked[0][0].replica_id.unique_id)
+
+    def copy_fresh(self) -> bool:
+        """This router's copy was updated within the second (it reads no other then)."""
+        from actors.routing import COPY_FRESH_S
+
+        return bool(time.monotonic() - self.router._copy_at < COPY_FRESH_S)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self.router._follower is not None:
+                self.router._follower.cancel()
+
+        self._run(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+
+
+def test_a_routers_copy_follows_a_replica_whose_ranks_die_and_re_form(
+    ray_local: None, two_replicas: int
+) -> None:
+    """A cache router keeps its copy of the index (what every decision reads) while one
+    replica's ranks are killed: once the replica re-forms, the copy holds none of the
+    pages it lost and all of the other replica's, and the router ranks by that; no call
+    fails and the copy never goes stale."""
+    port, follower = two_replicas, _Follower()
+    try:  # new conversations go to the emptier replica until the other's pending work shows
+        prompts = _spread(
+            port, [[(17 * c + 3 * i) % 200 + 1 for i in range(PAGES * PAGE)] for c in range(30)]
+        )
+        index = _index()
+        held, replicas = _holders(index, prompts), sorted(ray.get(index.replicas.remote()))
+        for c, prompt in enumerate(prompts):  # the copy agrees with the index, and ranks by it
+            wait_until(partial(_shows, follower, held[c], prompt, PAGES), 60, "the copy")
+            assert follower.first(replicas, prompt) == held[c]
+        lost = max(set(held.values()), key=list(held.values()).count)  # 3 or more
+        (kept,) = set(replicas) - {lost}
+        first, *others = [c for c in sorted(held) if held[c] == lost]
+        rank0 = [n for n in _live_ranks() if f"-{lost}-" in n and n.endswith("rank0")]
+        assert len(rank0) == 1, rank0
+        ray.kill(ray.get_actor(rank0[0], namespace="hicache"), no_restart=True)
+        answer = _complete(port, prompts[first] + [5] * PAGE)  # re-forms it: caches empty
+        assert answer["usage"]["prompt_tokens_details"]["hicache"]["replica"] == lost
+        for c in others:
+            wait_until(partial(_shows, follower, lost, prompts[c], 0), 60, "the copy's reset")
+        for c, prompt in enumerate(prompts):
+            if held[c] == kept:
+                assert follower.device(kept, prompt) == PAGES
+                assert follower.first(replicas, prompt) == kept
+        assert follower.copy_fresh()
+    finally:
+        follower.close()
+
+
+def _spread(port: int, prompts: list[list[int]]) -> list[list[int]]:
+    """Send ``prompts`` as first turns, six at once (so they spread over both replicas),
+    until both replicas hold some of them in the index; the prompts sent."""
+    for attempt in range(0, len(prompts), 6):
+        sent = prompts[: attempt + 6]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(partial(_complete, port), sent[attempt:]))
+        assert all(_cached(a) == 0 for a in answers)  # nothing cached anywhere yet
+        index = _index()  # the router made it for the first call
+        wait_until(partial(_all_held, index, sent), 60, "the turns in the index")
+        if len(set(_holders(index, sent).values())) == 2:
+            return sent
+    raise AssertionError("every first turn went to one replica")
+
+
+def _shows(follower: _Follower, replica: str, prompt: list[int], pages: int) -> bool:
+    return follower.device(replica, prompt) == pages

@@ -157,9 +157,12 @@ class VllmJournal:
         with self._lock:
             self._restart(vllm_seq - 1)
 
-    def cache_events(self, epoch: str, seq: int) -> list[EventBatch] | None:
+    def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[EventBatch] | None:
         """The batches after ``seq`` of journal ``epoch``; None when they are not all kept
-        (or ``epoch`` is not this journal): the subscriber takes :meth:`cache_snapshot`."""
+        (or ``epoch`` is not this journal): the subscriber takes :meth:`cache_snapshot`.
+        It answers at once (``wait_s`` is for a journal in another process: there an
+        answer is a call, here a lock)."""
+        del wait_s
         with self._lock:
             return kept_since(self._kept, self.seq, seq) if epoch == self.epoch else None
 
