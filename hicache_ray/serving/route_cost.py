@@ -41,6 +41,7 @@ waiting for it (its pages reach the store, if ever, when its replica writes them
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -175,19 +176,24 @@ class InFlight:
     stream ended, or it failed); one never finished (dropped before it was sent) stops
     counting after ``max_age_s``. Requests other routers sent (several ingresses) are
     known only by the replica's request count: :meth:`pending` adds the mean work of
-    this router's own requests for each of those.
+    this router's own requests for each of those (of those in flight, else of the last
+    ``RECENT`` it sent).
     """
+
+    RECENT = 64
 
     def __init__(self, max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
         self._max_age_s, self._clock = max_age_s, clock
         self._requests: dict[str, tuple[str, float, float]] = {}  # id -> replica, work, when
         self._pages: dict[str, _Pages] = {}  # id -> its prompt's page hashes
+        self._recent: deque[float] = deque(maxlen=self.RECENT)  # the last ones' work
 
     def sent(self, request: str, replica: str, cost: float, hashes: Sequence[str] = ()) -> None:
         """``request`` (of ``cost`` tokens of work, its prompt's page ``hashes``) went to
         ``replica`` (again: moved)."""
         self.finished(request)
         self._requests[request] = (replica, cost, self._clock())
+        self._recent.append(cost)
         if hashes:
             self._pages[request] = _Pages(hashes)
 
@@ -236,7 +242,7 @@ class InFlight:
     ) -> dict[str, float]:
         """Work pending per replica: this router's requests, plus, for each request a
         replica runs beyond them (``ongoing``: the replicas' request counts), the mean
-        work of this router's requests (``typical`` when it has none in flight)."""
+        work of this router's requests (``typical`` when it has sent none)."""
         self._expire()
         load: dict[str, float] = {}
         count: dict[str, int] = {}
@@ -244,7 +250,12 @@ class InFlight:
             load[replica] = load.get(replica, 0.0) + cost
             count[replica] = count.get(replica, 0) + 1
         if ongoing:
-            mean = sum(load.values()) / len(self._requests) if self._requests else typical
+            # NOTE: not the call's own prompt length: another ingress's calls are mostly
+            # cached turns like this router's, and counting each as a whole prompt sent
+            # turns away from the replica that holds their history.
+            mine = sum(load.values()) / len(self._requests) if self._requests else None
+            recent = sum(self._recent) / len(self._recent) if self._recent else typical
+            mean = recent if mine is None else mine
             for replica, n in ongoing.items():
                 others = n - count.get(replica, 0)
                 if others > 0:

@@ -84,8 +84,9 @@ def test_in_flight_work_counts_until_it_finishes_or_grows_old() -> None:
     assert flight.pending() == {"b": 80.0} and len(flight) == 2
     # another router's 2 requests on a: the mean of this router's (40 tokens) each
     assert flight.pending({"a": 2, "b": 2}) == {"a": 80.0, "b": 80.0}
-    flight.forget("b")
-    assert flight.pending({"a": 1}, typical=7.0) == {"a": 7.0}
+    flight.forget("b")  # none in flight: the mean of the last ones sent (100, 50, 30)
+    assert flight.pending({"a": 1}, typical=7.0) == {"a": 60.0}
+    assert InFlight().pending({"a": 1}, typical=7.0) == {"a": 7.0}  # none ever sent
     flight.sent("r4", "a", 5.0)
     now[0] = 11.0
     flight.sent("r5", "a", 6.0)
