@@ -327,9 +327,10 @@ class Deployment(RankSet):
         """
         epoch, seq = check_position(epoch, seq)
         wait_s, ranks = check_wait(wait_s), self._ranks()
-        ref = ranks[0].cache_events.remote(epoch, seq, wait_s) if ranks else None
-        batches: list[EventBatch] | None = ray.get(ref, timeout=30 + wait_s) if ref else None
-        return batches
+        if not ranks:
+            return None
+        ref = ranks[0].cache_events.remote(epoch, seq, wait_s)
+        return ray.get(ref, timeout=30 + wait_s)  # type: ignore[no-any-return]
 
     def cache_snapshot(self) -> EventBatch:
         """What the serving generation's tree holds now, as one batch of cache events.

@@ -10,14 +10,33 @@ import contextlib
 
 from hicache_ray.cache.events import CacheEvents
 
-__all__ = ["FlushWatch"]
+__all__ = ["FlushWatch", "Ticker"]
+
+
+class Ticker:
+    """What a long poll waits on: :meth:`tick` (on the event loop) wakes every
+    :meth:`wait` in progress."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    async def wait(self, wait_s: float) -> None:
+        """Return at the next :meth:`tick`, or after ``wait_s``."""
+        event = self._event = self._event or asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), wait_s)
+
+    def tick(self) -> None:
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
 
 
 class FlushWatch:
     """Wakes the long polls of one actor at each new batch of the journal they watch."""
 
     def __init__(self) -> None:
-        self._tick: asyncio.Event | None = None
+        self._ticker = Ticker()
         self._watched: CacheEvents | None = None
 
     async def wait(self, journal: CacheEvents, seq: int, wait_s: float) -> None:
@@ -29,17 +48,9 @@ class FlushWatch:
 
             def tell() -> None:  # on the step thread
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-                    loop.call_soon_threadsafe(self._ticked)
+                    loop.call_soon_threadsafe(self._ticker.tick)
 
             journal.on_flush(tell)
             self._watched = journal
-        tick = self._tick = self._tick or asyncio.Event()
-        if journal.seq != seq:  # flushed before the watch was set
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(tick.wait(), wait_s)
-
-    def _ticked(self) -> None:
-        tick, self._tick = self._tick, None
-        if tick is not None:
-            tick.set()
+        if journal.seq == seq:  # not flushed before the watch was set
+            await self._ticker.wait(wait_s)

@@ -17,8 +17,6 @@ published.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -26,6 +24,7 @@ from typing import Any, Protocol
 
 import ray
 
+from actors.event_poll import Ticker
 from hicache_ray.cache.events import EventBatch, check_wait
 from hicache_ray.serving.cache_index import Hits
 from hicache_ray.serving.index_feed import FeedUpdate, IndexFeed
@@ -52,7 +51,7 @@ class IndexActor:
 
         self.feed = IndexFeed()
         self.index = self.feed.index
-        self._tick: asyncio.Event | None = None  # set at the next change (routers wait)
+        self._changed = Ticker()  # routers' long polls wait on it
         self._app = app
         self._seen: dict[str, float] = {}  # replica -> when it last asked its position
         self._pages = Gauge(
@@ -81,40 +80,33 @@ class IndexActor:
             if now - seen > SILENT_S:
                 del self._seen[other]
                 self.feed.remove(other)
-                self._changed()
+                self._changed.tick()
         return self.index.position(replica)
 
     def apply(self, replica: str, batches: list[EventBatch]) -> bool:
         """Apply ``replica``'s batches in order; False at the first that does not follow."""
         applied = self.feed.apply(replica, batches)
         self._observe(replica)
-        self._changed()
+        self._changed.tick()
         return applied
 
     def reset(self, replica: str, snapshot: EventBatch) -> None:
         self.feed.reset(replica, snapshot)
         self._observe(replica)
-        self._changed()
+        self._changed.tick()
 
     def remove(self, replica: str) -> None:
         self._seen.pop(replica, None)
         self.feed.remove(replica)
-        self._changed()
+        self._changed.tick()
 
     async def changes(self, epoch: str, seq: int, wait_s: float = 0.0) -> FeedUpdate:
         """What a router's copy of the index at ``(epoch, seq)`` needs
         (:meth:`~hicache_ray.serving.index_feed.IndexFeed.changes`); a copy that has every
         change waits up to ``wait_s`` for the next (a long poll)."""
         if check_wait(wait_s) > 0 and (epoch, seq) == (self.feed.epoch, self.feed.seq):
-            tick = self._tick = self._tick or asyncio.Event()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(tick.wait(), wait_s)
+            await self._changed.wait(wait_s)
         return self.feed.changes(epoch, seq)
-
-    def _changed(self) -> None:  # on the actor's event loop: wake the routers waiting
-        tick, self._tick = self._tick, None
-        if tick is not None:
-            tick.set()
 
     def hits(self, replicas: list[str], hashes: list[str]) -> dict[str, Hits]:
         return {r: self.index.hits(r, hashes) for r in replicas}

@@ -253,9 +253,8 @@ class InFlight:
             # NOTE: not the call's own prompt length: another ingress's calls are mostly
             # cached turns like this router's, and counting each as a whole prompt sent
             # turns away from the replica that holds their history.
-            mine = sum(load.values()) / len(self._requests) if self._requests else None
-            recent = sum(self._recent) / len(self._recent) if self._recent else typical
-            mean = recent if mine is None else mine
+            costs = [cost for _, cost, _ in self._requests.values()] or self._recent
+            mean = sum(costs) / len(costs) if costs else typical
             for replica, n in ongoing.items():
                 others = n - count.get(replica, 0)
                 if others > 0:

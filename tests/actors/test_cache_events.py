@@ -36,6 +36,8 @@ def test_the_index_follows_the_deployment_and_resets_after_a_reform(ray_local: N
         index = CacheIndex()
         with pytest.raises(ValueError, match="seq must be >= 0"):
             deployment.cache_events("", -1)
+        with pytest.raises(ValueError, match="wait_s must be in"):
+            deployment.cache_events("", 0, wait_s=60.0)
         _catch_up(deployment, index)  # an empty tree: a snapshot
         first = index.position("d")
         tokens = prompt(11, 4 * PAGE + 1)
