@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -39,7 +39,6 @@ from actors.lifecycle import (
 from actors.loop_thread import LoopThread
 from actors.rank_group import check_launch
 from actors.stats import RankHealth
-from hicache_ray.cache.events import EventBatch, check_position, check_wait
 from hicache_ray.engine.request import (
     GenerateRequest,
     RequestError,
@@ -67,7 +66,6 @@ class Deployment(RankSet):
 
     def __init__(self, config: DeploymentConfig, groups: StageGroups) -> None:
         super().__init__(config, groups)
-        self._executor = ThreadPoolExecutor(32, thread_name_prefix=f"hicache-{config.name}")
         self._io = LoopThread(f"hicache-{config.name}-io")  # runs the sync API's requests
 
     @classmethod
@@ -314,35 +312,6 @@ class Deployment(RankSet):
             reforms=list(self.reforms),
             ranks=answers,
         )
-
-    def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[EventBatch] | None:
-        """The cache events of the serving generation after batch ``seq`` of journal
-        ``epoch`` (:mod:`hicache_ray.cache.events`), waiting up to ``wait_s`` for one when
-        none is new; None: take :meth:`cache_snapshot` (the deployment re-formed since, or
-        the batches are no longer kept, or it has no ranks).
-
-        Raises:
-            TypeError, ValueError: ``epoch`` not a str, ``seq`` not an int >= 0, ``wait_s``
-                not a number in [0, 10].
-        """
-        epoch, seq = check_position(epoch, seq)
-        wait_s, ranks = check_wait(wait_s), self._ranks()
-        if not ranks:
-            return None
-        ref = ranks[0].cache_events.remote(epoch, seq, wait_s)
-        return ray.get(ref, timeout=30 + wait_s)  # type: ignore[no-any-return]
-
-    def cache_snapshot(self) -> EventBatch:
-        """What the serving generation's tree holds now, as one batch of cache events.
-
-        Raises:
-            DeploymentError: the deployment has no ranks (broken or shut down).
-        """
-        ranks = self._ranks()
-        if not ranks:
-            raise DeploymentError(f"deployment is {self.state.value}: no cache to describe")
-        snapshot: EventBatch = ray.get(ranks[0].cache_snapshot.remote(), timeout=60)
-        return snapshot
 
     def health(self, timeout_s: float = 10.0) -> list[RankHealth]:
         """Per rank: whether it answers and is stepping, its step count and last error.

@@ -1,15 +1,19 @@
 """The ranks of one deployment as a set that forms, fails and re-forms together: the
 forming half of :class:`~actors.deployment.Deployment` (states and recovery are described
-in :mod:`actors.lifecycle`)."""
+in :mod:`actors.lifecycle`), and the cache journal of each generation, whose reader is
+the first to hear when rank 0 is gone (the set then re-forms at once, not at the next
+call)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from actors.lifecycle import (
     DeploymentError,
@@ -19,6 +23,7 @@ from actors.lifecycle import (
     describe_failure,
 )
 from actors.rank_group import find_suspects, kill_ranks, start_ranks, stop_ranks
+from hicache_ray.cache.events import EventBatch, check_position, check_wait
 from hicache_ray.engine.spec import DeploymentConfig
 from placement.groups import StageGroups
 
@@ -43,6 +48,8 @@ class RankSet:
         self._broken: str | None = None  # guarded by _lock: why the last re-forming failed
         self._lock = threading.RLock()  # serializes forming, re-forming and shutdown
         self._closed = threading.Event()
+        # the ranks' calls that wait (re-forming, a retry's wait for it) run here
+        self._executor = ThreadPoolExecutor(32, thread_name_prefix=f"hicache-{config.name}")
 
     def _ranks(self) -> list[Any]:
         with self._lock:
@@ -76,6 +83,57 @@ class RankSet:
             return self.generation, self.ranks[0]
         finally:
             self._lock.release()
+
+    def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[EventBatch] | None:
+        """The cache events of the serving generation after batch ``seq`` of journal
+        ``epoch`` (:mod:`hicache_ray.cache.events`), waiting up to ``wait_s`` for one when
+        none is new; None: take :meth:`cache_snapshot` (the deployment re-formed since, or
+        the batches are no longer kept, or it has no ranks).
+
+        A rank 0 found dead here starts the re-forming in the background (:meth:`_heal`)
+        before the error is raised: a replica's publisher asks this all the time, so an
+        idle deployment heals as soon as its rank 0 goes, and the next call finds it
+        serving again instead of re-forming it.
+
+        Raises:
+            TypeError, ValueError: ``epoch`` not a str, ``seq`` not an int >= 0, ``wait_s``
+                not a number in [0, 10].
+            ActorDiedError: rank 0 died (the re-forming has started).
+        """
+        epoch, seq = check_position(epoch, seq)
+        wait_s = check_wait(wait_s)
+        with self._lock:
+            generation, ranks = self.generation, list(self.ranks)
+        if not ranks:
+            return None
+        ref = ranks[0].cache_events.remote(epoch, seq, wait_s)
+        try:
+            return ray.get(ref, timeout=30 + wait_s)  # type: ignore[no-any-return]
+        except ActorDiedError as exc:
+            if not self._closed.is_set():
+                self._executor.submit(self._heal, generation, exc)
+            raise
+
+    def cache_snapshot(self) -> EventBatch:
+        """What the serving generation's tree holds now, as one batch of cache events.
+
+        Raises:
+            DeploymentError: the deployment has no ranks (broken or shut down).
+        """
+        ranks = self._ranks()
+        if not ranks:
+            raise DeploymentError(f"deployment is {self.state.value}: no cache to describe")
+        snapshot: EventBatch = ray.get(ranks[0].cache_snapshot.remote(), timeout=60)
+        return snapshot
+
+    def _heal(self, seen_generation: int, cause: BaseException) -> None:
+        """Re-form after ``cause`` took a rank of ``seen_generation`` (nothing when a call
+        re-formed after it already); a failure leaves the deployment broken, as a call's
+        re-forming would, and the next call tries again."""
+        try:
+            self._reform(seen_generation, cause)
+        except DeploymentError as exc:  # shut down meanwhile, or broken
+            log.warning("deployment %s: healing failed: %s", self.config.name, exc)
 
     def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
         """Results of ``refs``; fails as soon as one fails, on shutdown, or at the deadline."""

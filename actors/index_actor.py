@@ -164,7 +164,10 @@ class Publisher(threading.Thread):
     (a long poll: an idle replica makes no call), sends them, then pauses
     ``PUBLISH_EVERY_S`` so that a busy replica's events go in batches. Its position in
     the index is asked every ``HEARTBEAT_S`` (the index's sign that it lives), and again
-    after any failure. Until an index exists it looks for one every ``FIND_EVERY_S``:
+    after any failure. When the journal's rank 0 is found dead, the index forgets the
+    replica at once (its L1 and L2 died with the ranks; the deployment re-forms on its
+    own, :meth:`~actors.forming.RankSet.cache_events`), and the re-formed ranks' snapshot
+    brings it back. Until an index exists it looks for one every ``FIND_EVERY_S``:
     behind Ray's routers (``prefix``, ``pow2``) no router makes one, and a lookup is a
     call to Ray's control store."""
 
@@ -175,6 +178,7 @@ class Publisher(threading.Thread):
         self._index: Any = None
         self._position: tuple[str, int] | None = None  # the index's, as last known
         self._asked = float("-inf")  # when the position was last asked
+        self._lost = False  # the index was told the replica's caches died (until it answers)
 
     def run(self) -> None:
         wait = PUBLISH_EVERY_S
@@ -184,6 +188,8 @@ class Publisher(threading.Thread):
             except ray.exceptions.ActorDiedError as exc:
                 if "IndexActor" in str(exc):  # its maker went: found again once remade
                     self._index = None
+                else:  # the replica's rank 0: the caches it reported died with it
+                    self._forget()
                 self._position = None
                 log.debug("cache events of %s not published: %s", self._replica, exc)
             except Exception as exc:  # the ranks are re-forming, or slow: next round
@@ -211,7 +217,20 @@ class Publisher(threading.Thread):
         elif batches:  # a gap: forgotten, so the next round's position asks for a snapshot
             ray.get(self._index.remove.remote(self._replica), timeout=10)
             self._position = None
+        self._lost = False
         return PUBLISH_EVERY_S
+
+    def _forget(self) -> None:
+        """The replica's ranks died: the index forgets its pages now, once, rather than
+        when the re-formed ranks' first snapshot replaces them (seconds on: meanwhile
+        routers would send its turns to caches that are gone, behind the re-forming)."""
+        if self._lost or self._index is None:
+            return
+        try:
+            ray.get(self._index.remove.remote(self._replica), timeout=10)
+            self._lost = True
+        except Exception as exc:  # the index is down too: it is remade empty
+            log.debug("index not told that %s lost its caches: %s", self._replica, exc)
 
     def stop(self) -> None:
         self._halt.set()

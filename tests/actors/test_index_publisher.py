@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import ray
 
 from actors import index_actor
 from actors.index_actor import FIND_EVERY_S, PUBLISH_EVERY_S, Publisher
@@ -141,3 +142,69 @@ def test_a_publisher_sends_only_what_is_new_and_asks_its_position_once_a_heartbe
     assert rounds(1) == ["apply", "remove"]
     index.where = ("", 0)
     assert rounds(1) == ["position", "reset"]  # asked again at once: the snapshot
+
+
+class _DyingJournal(_Journal):
+    """A deployment's journal whose rank 0 dies: ``cache_events`` raises Ray's actor-died
+    error ``dead`` times, then answers as the re-formed ranks' new journal."""
+
+    def __init__(self, dead: int) -> None:
+        super().__init__()
+        self.dead = dead
+
+    def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[Any] | None:
+        if self.dead:
+            self.dead -= 1
+            raise ray.exceptions.ActorDiedError()
+        return super().cache_events(epoch, seq, wait_s)
+
+
+def test_a_replica_whose_rank_0_dies_is_forgotten_by_the_index_once_until_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its L1 and L2 died with the ranks: the index drops its pages at the first failure
+    (not when the re-formed ranks' snapshot arrives), tells nothing more while the ranks
+    stay gone, and takes the new snapshot once they answer; a second death is told too."""
+    index, journal = _Recorder(), _DyingJournal(dead=0)
+    monkeypatch.setattr(index_actor, "find_index", lambda app: index)
+    monkeypatch.setattr("actors.index_actor.ray.get", lambda ref, timeout=None: ref)
+    publisher = Publisher(journal, "app", "replica-a")
+    publisher._publish()
+    index.where = ("e", 2)
+
+    def rounds(n: int) -> list[str]:
+        index.calls.clear()
+        publisher._halt = _Halt(rounds=n)  # type: ignore[assignment]
+        publisher.run()
+        return index.calls
+
+    journal.dead = 3
+    assert rounds(3) == ["remove", "position", "position"]  # then asked where it stands
+    index.where = ("", 0)  # forgotten there
+    assert rounds(1) == ["position", "reset"]  # the re-formed ranks' snapshot
+    journal.dead = 1
+    assert rounds(1) == ["remove"]  # dead again: told again
+
+
+def test_a_publisher_whose_index_dies_finds_it_again_and_forgets_no_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The actor that died is the index (its maker went), not the replica's rank 0: the
+    replica's pages are not removed, and the next round looks for the index again."""
+
+    class _IndexDied(ray.exceptions.ActorDiedError):
+        def __str__(self) -> str:
+            return "The actor died unexpectedly: class_name: IndexActor"
+
+    class _Sent(_Journal):
+        def cache_events(self, epoch: str, seq: int, wait_s: float = 0.0) -> list[Any] | None:
+            raise _IndexDied()  # as the index's answer to what was sent would
+
+    index = _Recorder()
+    monkeypatch.setattr(index_actor, "find_index", lambda app: index)
+    monkeypatch.setattr("actors.index_actor.ray.get", lambda ref, timeout=None: ref)
+    publisher = Publisher(_Sent(), "app", "replica-a")
+    publisher._halt = _Halt(rounds=1)  # type: ignore[assignment]
+    publisher.run()
+    assert index.calls == ["position"]  # and no remove
+    assert publisher._index is None
