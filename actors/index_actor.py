@@ -26,7 +26,7 @@ import ray
 
 from actors.event_poll import Ticker
 from hicache_ray.cache.events import EventBatch, check_wait
-from hicache_ray.serving.cache_index import Hits
+from hicache_ray.serving.cache_index import Hits, down_snapshot
 from hicache_ray.serving.index_feed import FeedUpdate, IndexFeed
 
 __all__ = ["EventSource", "IndexActor", "Publisher", "find_index", "index_actor"]
@@ -164,12 +164,12 @@ class Publisher(threading.Thread):
     (a long poll: an idle replica makes no call), sends them, then pauses
     ``PUBLISH_EVERY_S`` so that a busy replica's events go in batches. Its position in
     the index is asked every ``HEARTBEAT_S`` (the index's sign that it lives), and again
-    after any failure. When the journal's rank 0 is found dead, the index forgets the
-    replica at once (its L1 and L2 died with the ranks; the deployment re-forms on its
-    own, :meth:`~actors.forming.RankSet.cache_events`), and the re-formed ranks' snapshot
-    brings it back. Until an index exists it looks for one every ``FIND_EVERY_S``:
-    behind Ray's routers (``prefix``, ``pow2``) no router makes one, and a lookup is a
-    call to Ray's control store."""
+    after any failure. When the journal's rank 0 is found dead, the index marks the
+    replica down at once (its L1 and L2 died with the ranks; routers rank it last; the
+    deployment re-forms on its own, :meth:`~actors.forming.RankSet.cache_events`), and
+    the re-formed ranks' snapshot brings it back. Until an index exists it looks for one
+    every ``FIND_EVERY_S``: behind Ray's routers (``prefix``, ``pow2``) no router makes
+    one, and a lookup is a call to Ray's control store."""
 
     def __init__(self, source: EventSource, app: str, replica: str) -> None:
         super().__init__(name="hicache-events", daemon=True)
@@ -221,13 +221,14 @@ class Publisher(threading.Thread):
         return PUBLISH_EVERY_S
 
     def _forget(self) -> None:
-        """The replica's ranks died: the index forgets its pages now, once, rather than
-        when the re-formed ranks' first snapshot replaces them (seconds on: meanwhile
-        routers would send its turns to caches that are gone, behind the re-forming)."""
+        """The replica's ranks died: the index marks it down now, its pages gone, once,
+        rather than when the re-formed ranks' first snapshot replaces them (seconds on:
+        meanwhile routers would send its turns to caches that died, to wait behind the
+        re-forming)."""
         if self._lost or self._index is None:
             return
         try:
-            ray.get(self._index.remove.remote(self._replica), timeout=10)
+            ray.get(self._index.reset.remote(self._replica, down_snapshot(time.time())), timeout=10)
             self._lost = True
         except Exception as exc:  # the index is down too: it is remade empty
             log.debug("index not told that %s lost its caches: %s", self._replica, exc)

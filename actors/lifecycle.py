@@ -12,7 +12,9 @@ requests in flight fail with :class:`~actors.rank.RankFailure` (or Ray's actor e
 the deployment re-forms: it kills every rank, starts new ones in the same placement groups
 (Ray re-places a group's bundles when a node is lost), and retries those requests. A
 re-forming that fails (another rank dies while joining) leaves the deployment ``broken``;
-the next attempt of any call re-forms again. Each request has ``max_retries`` retries, and
+the next attempt of any call re-forms again. A rank 0 found dead by the reader of the
+cache journal (``RankSet.cache_events``) starts the re-forming at once, with no call
+waiting for it. Each request has ``max_retries`` retries, and
 a failed re-forming uses one. L1/L2 of the old ranks are gone; L3 is not, so the retried
 requests find their prefixes there when the storage backend outlives the ranks.
 

@@ -10,7 +10,8 @@ engines through a Serve handle whose request router picks the replica:
   cache_index.CacheIndex`), and each router keeps a copy of it (:mod:`hicache_ray.
   serving.index_feed`); the router hashes the call's prompt pages and sends it where
   its prefill would end first: the prefill each replica's L1, L2 and the shared L3 save
-  against the work already pending there (:mod:`hicache_ray.serving.route_cost`); a
+  against the work already pending there (:mod:`hicache_ray.serving.route_cost`), a
+  replica whose ranks died (re-forming) last; a
   prompt no replica holds a page of goes where the caches have most room; one whose
   pages a call in flight is computing waits for them when that ends its prefill first
   (siblings of a new prefix). The index not answering in time: by the work pending
@@ -44,7 +45,14 @@ from hicache_ray.keys import page_hashes
 from hicache_ray.serving.cache_index import Hits
 from hicache_ray.serving.index_feed import IndexCopy
 from hicache_ray.serving.openai.text import text_codec
-from hicache_ray.serving.route_cost import InFlight, RouteWeights, hold, rank_replicas, work
+from hicache_ray.serving.route_cost import (
+    InFlight,
+    RouteWeights,
+    hold,
+    rank_replicas,
+    ready_first,
+    work,
+)
 
 __all__ = ["CacheAwareRouter", "EngineReplica", "IndexActor", "router_config"]
 
@@ -212,7 +220,7 @@ class CacheAwareRouter(RequestRouter):
         # NOTE: replicas alike go in a random order, the first counted as chosen: left to
         # Serve's power of two choices, a burst's calls would be invisible to ``pending``.
         order = rank_replicas(list(by_id), hits, pending, n, page, weights, held)
-        order = order or random.sample(list(by_id), len(by_id))
+        order = ready_first(order or random.sample(list(by_id), len(by_id)), self._down())
         return [(by_id[r], work(n, hits.get(r, Hits()), page, weights)) for r in order]
 
     async def _facts(
@@ -222,7 +230,7 @@ class CacheAwareRouter(RequestRouter):
         while it is fresh, else from the index actor; None when neither answers."""
         if self._follower is None or self._follower.done():
             self._follower = asyncio.get_running_loop().create_task(self._keep_copy())
-        if time.monotonic() - self._copy_at < COPY_FRESH_S:
+        if self._fresh():
             return self._copy.index.facts(replicas, hashes)
         try:
             ref = self._index_actor().facts.remote(replicas, hashes)
@@ -231,6 +239,15 @@ class CacheAwareRouter(RequestRouter):
             self._lost(exc)
             return None
         return facts  # type: ignore[no-any-return]
+
+    def _fresh(self) -> bool:
+        """This router's copy of the index is recent enough to decide by."""
+        return time.monotonic() - self._copy_at < COPY_FRESH_S
+
+    def _down(self) -> frozenset[str]:
+        """The replicas the index has down (ranks died, not re-formed yet); none known
+        when the copy is not fresh (the index actor's answer does not say)."""
+        return self._copy.index.down if self._fresh() else frozenset()
 
     async def _keep_copy(self) -> None:
         """Keep this router's copy of the index, for good: ask for the changes since it

@@ -13,6 +13,10 @@ application, whichever replica wrote them: every replica reads the same store. T
 evicts without telling anyone, so that set keeps the ``store_pages`` most recently stored
 pages; a page it names that the store no longer holds costs the replica that reads it a
 miss (it computes the page), never a wrong answer.
+
+A replica whose ranks died is *down* (:func:`down_snapshot`: a snapshot of nothing, of no
+journal) until its re-formed ranks' first snapshot: it holds nothing, and a call sent
+there waits for the re-forming (:attr:`CacheIndex.down`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from hicache_ray.cache.events import (
 )
 from hicache_ray.cache.tree import Tier
 
-__all__ = ["CacheIndex", "Hits"]
+__all__ = ["CacheIndex", "Hits", "down_snapshot"]
 
 _L1, _L2 = MEDIUM[Tier.DEVICE], MEDIUM[Tier.HOST]
 
@@ -63,6 +67,12 @@ class _Replica:
     pages: dict[str, set[str]] = field(default_factory=lambda: {_L1: set(), _L2: set()})
 
 
+def down_snapshot(ts: float) -> EventBatch:
+    """The snapshot of a replica whose ranks died at ``ts``: nothing held, and no journal
+    (every journal has an epoch; this one's is empty, so its next snapshot replaces it)."""
+    return EventBatch("", 0, KVEventBatch(ts, [AllBlocksCleared()]))
+
+
 class CacheIndex:
     """The cached pages of every replica of an application (see the module docstring)."""
 
@@ -76,6 +86,11 @@ class CacheIndex:
     @property
     def replicas(self) -> list[str]:
         return list(self._replicas)
+
+    @property
+    def down(self) -> frozenset[str]:
+        """The replicas whose ranks died and have not re-formed (:func:`down_snapshot`)."""
+        return frozenset(name for name, r in self._replicas.items() if not r.epoch)
 
     @property
     def size(self) -> int:

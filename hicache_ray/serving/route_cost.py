@@ -36,18 +36,23 @@ them again behind the others; once one replica's pages are in the index, a sibli
 goes there, or waits for another replica's leader when that ends its prefill first. A
 leader whose pages its replica already shows has ended its prefill: nothing comes of
 waiting for it (its pages reach the store, if ever, when its replica writes them).
+
+A replica that is *down* (its ranks died; it re-forms before it computes anything: the
+index's :attr:`~hicache_ray.serving.cache_index.CacheIndex.down`) comes after every other
+whatever its score (:func:`ready_first`): it holds nothing, so by the score it would look
+like the emptiest cache for a new prefix, and a call sent there waits out the re-forming.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from hicache_ray.serving.cache_index import Hits
 
-__all__ = ["InFlight", "Leader", "RouteWeights", "hold", "rank_replicas", "work"]
+__all__ = ["InFlight", "Leader", "RouteWeights", "hold", "rank_replicas", "ready_first", "work"]
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,13 @@ def rank_replicas(
         return -own - weights.load * pending.get(replica, 0.0)
 
     return sorted(replicas, key=score, reverse=True)
+
+
+def ready_first(order: Sequence[str], down: Collection[str]) -> list[str]:
+    """``order`` with the replicas that are ``down`` after the others, each part in its
+    order: last, not left out (with every other at capacity, Serve's probe goes on to
+    them)."""
+    return [r for r in order if r not in down] + [r for r in order if r in down]
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ class _DyingJournal(_Journal):
 def test_a_replica_whose_rank_0_dies_is_forgotten_by_the_index_once_until_it_answers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Its L1 and L2 died with the ranks: the index drops its pages at the first failure
+    """Its L1 and L2 died with the ranks: the index has it down at the first failure
     (not when the re-formed ranks' snapshot arrives), tells nothing more while the ranks
     stay gone, and takes the new snapshot once they answer; a second death is told too."""
     index, journal = _Recorder(), _DyingJournal(dead=0)
@@ -179,11 +179,11 @@ def test_a_replica_whose_rank_0_dies_is_forgotten_by_the_index_once_until_it_ans
         return index.calls
 
     journal.dead = 3
-    assert rounds(3) == ["remove", "position", "position"]  # then asked where it stands
+    assert rounds(3) == ["reset", "position", "position"]  # down; then asked where it stands
     index.where = ("", 0)  # forgotten there
     assert rounds(1) == ["position", "reset"]  # the re-formed ranks' snapshot
     journal.dead = 1
-    assert rounds(1) == ["remove"]  # dead again: told again
+    assert rounds(1) == ["reset"]  # dead again: told again
 
 
 def test_a_publisher_whose_index_dies_finds_it_again_and_forgets_no_replica(
@@ -206,5 +206,5 @@ def test_a_publisher_whose_index_dies_finds_it_again_and_forgets_no_replica(
     publisher = Publisher(_Sent(), "app", "replica-a")
     publisher._halt = _Halt(rounds=1)  # type: ignore[assignment]
     publisher.run()
-    assert index.calls == ["position"]  # and no remove
+    assert index.calls == ["position"]  # and not marked down
     assert publisher._index is None

@@ -13,13 +13,13 @@ from hicache_ray.cache.events import (
     EventBatch,
     KVEventBatch,
 )
-from hicache_ray.serving.cache_index import CacheIndex
+from hicache_ray.serving.cache_index import CacheIndex, down_snapshot
 from hicache_ray.serving.index_feed import IndexCopy, IndexFeed
 
 _PAGES = [f"p{i}" for i in range(8)]
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["store", "drop", "l3", "reset", "remove", "gap", "pull"]),
+        st.sampled_from(["store", "drop", "l3", "reset", "remove", "down", "gap", "pull"]),
         st.sampled_from(["a", "b"]),
         st.lists(st.sampled_from(_PAGES), min_size=1, max_size=3),
     ),
@@ -32,6 +32,7 @@ def _state(index: CacheIndex) -> tuple[object, ...]:
     return (
         [(r, index.position(r), index.export(r).batch.events) for r in replicas],
         index.store_pages(),
+        sorted(index.down),
     )
 
 
@@ -53,6 +54,8 @@ def test_a_copy_follows_the_feed_through_gaps_and_resets(
             feed.reset(replica, _batch(f"{replica}{len(pages)}", 1, [AllBlocksCleared()]))
         elif op == "remove":
             feed.remove(replica)
+        elif op == "down":  # its ranks died: nothing held, no journal until its snapshot
+            feed.reset(replica, down_snapshot(float(len(pages))))
         elif op == "gap":  # a batch that does not follow: refused, nothing recorded
             assert not feed.apply(replica, [_batch(epoch, seq + 2, [AllBlocksCleared()])])
         else:

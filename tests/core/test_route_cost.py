@@ -13,13 +13,14 @@ from hicache_ray.cache.events import (
     KVEventBatch,
 )
 from hicache_ray.keys import page_hashes
-from hicache_ray.serving.cache_index import CacheIndex, Hits
+from hicache_ray.serving.cache_index import CacheIndex, Hits, down_snapshot
 from hicache_ray.serving.route_cost import (
     InFlight,
     Leader,
     RouteWeights,
     hold,
     rank_replicas,
+    ready_first,
     work,
 )
 
@@ -165,3 +166,22 @@ def test_the_shared_stores_pages_count_for_every_replica() -> None:
     assert index.hits("s", prompt[1:]) == Hits(shared=1)
     with pytest.raises(ValueError, match="store_pages"):
         CacheIndex(store_pages=-1)
+
+
+def test_a_replica_whose_ranks_died_comes_last_until_its_new_snapshot() -> None:
+    """Down (its ranks died, re-forming): it holds nothing, so by the score alone it
+    would be the emptiest cache for a new prefix; it comes after every other instead."""
+    old, new = page_hashes(list(range(16)), PAGE), page_hashes(list(range(50, 66)), PAGE)
+    index = CacheIndex()
+    for replica, epoch in (("a", "ea"), ("b", "eb")):
+        stored = BlockStored(old, None, [], PAGE)
+        index.reset(replica, EventBatch(epoch, 1, KVEventBatch(1.0, [AllBlocksCleared(), stored])))
+    index.reset("a", down_snapshot(2.0))
+    assert index.down == {"a"} and index.hits("a", old) == Hits() and index.position("a") == ("", 0)
+    hits, held = index.facts(["a", "b"], new)
+    order = rank_replicas(["a", "b"], hits, {}, 64, PAGE, held=held)
+    assert order == ["a", "b"]  # by room alone
+    assert ready_first(order, index.down) == ["b", "a"]  # last, not left out
+    assert ready_first(["a", "c", "b"], {"a", "c"}) == ["b", "a", "c"]
+    index.reset("a", EventBatch("ea2", 0, KVEventBatch(3.0, [AllBlocksCleared()])))  # re-formed
+    assert index.down == frozenset()
