@@ -5,17 +5,13 @@ itself on fake replicas (hits per tier, load, no information)."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import os
 import socket
-import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,6 +19,7 @@ import pytest
 from hicache_ray.base.errors import ConfigError
 from hicache_ray.keys import page_hashes
 from hicache_ray.serving.serve_options import serve_ingresses, serve_replicas
+from tests.actors.router_follower import Follower
 from tests.helpers import ensure_local_ray, wait_until
 
 ray = pytest.importorskip("ray")
@@ -119,19 +116,20 @@ def test_the_next_turn_reaches_the_replica_that_holds_its_history(
             assert _cached(answer) >= len(prompt) // PAGE * PAGE - PAGE, (c, answer["usage"])
             served_by = answer["usage"]["prompt_tokens_details"]["hicache"]["replica"]
             assert served_by == holders[c]  # the answer names the replica that served it
-    # The ranks of a replica holding several conversations die: the next request of one of
-    # them re-forms them (empty caches, a new journal) and recomputes its history there; the
-    # index resets the replica, so it forgets the others; the other replica keeps routing.
+    # Rank 0 of a replica holding several conversations dies: the index forgets the replica's
+    # pages at once (down), the replica re-forms on its own (empty caches, a new journal) and
+    # comes back; the next turn of one of its conversations recomputes its history wherever
+    # it goes, and the other replica keeps routing its own.
     held = _holders(index, turns)
     lost = max(set(held.values()), key=list(held.values()).count)  # 6 over 2: 3 or more
     first, *others = sorted(c for c, r in held.items() if r == lost)
     name = f"hicache-openai-{os.getpid()}-{lost}-g0-rank0"
     ray.kill(ray.get_actor(name, namespace="hicache"), no_restart=True)
-    answer = _complete(port, turns[first] + [1] * PAGE)  # routed there by what it held
-    assert answer["usage"]["prompt_tokens_details"]["hicache"]["replica"] == lost
-    assert _cached(answer) == 0  # its cache went with its ranks
-    lost_turns = [turns[c] for c in others]
-    wait_until(partial(_forgot, index, lost, lost_turns), 60, "the re-formed replica's reset")
+    lost_turns = [turns[c] for c in [first, *others]]
+    wait_until(partial(_forgot, index, lost, lost_turns), 60, "the replica's pages forgotten")
+    wait_until(partial(_journal, index, lost), 120, "the replica re-formed with no call")
+    answer = _complete(port, turns[first] + [1] * PAGE)
+    assert _cached(answer) == 0  # its history went with the ranks
     kept = {c for c, r in _holders(index, turns).items() if r != lost}
     assert kept, "the other replica holds its conversations"
     for c in sorted(kept):
@@ -249,6 +247,12 @@ def test_a_stream_behind_the_ingress_survives_its_replicas_rank_killed(
     assert after and after.isdisjoint(before)
 
 
+def _journal(index: Any, replica: str) -> bool:
+    """The index follows a journal of ``replica``'s (it is not down: its ranks answer)."""
+    epoch, _ = ray.get(index.position.remote(replica))
+    return bool(epoch)
+
+
 def _forgot(index: Any, replica: str, turns: list[list[int]]) -> bool:
     """The index holds nothing of ``replica``'s old conversations (it re-formed)."""
     return all(
@@ -296,63 +300,15 @@ def test_a_replica_silent_for_long_is_forgotten_by_the_index(
     assert index.replicas() == ["a"] and index.size() == 1
 
 
-class _Follower:
-    """A cache router of the app in this process: its own task keeps its copy of the
-    index, on an event loop of its own, as in an ingress."""
-
-    def __init__(self) -> None:
-        from actors.routing import CacheAwareRouter
-
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.router: Any = CacheAwareRouter.__new__(CacheAwareRouter)
-        self.router.initialize_state(app=f"openai-{os.getpid()}", page_size=PAGE, wait_s=30)
-        self.router._replica_queue_len_cache = SimpleNamespace(get=lambda _: 0)
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
-
-    def device(self, replica: str, prompt: list[int]) -> int:
-        """Leading pages of ``prompt`` in ``replica``'s L1, as this router's copy shows."""
-
-        async def read(hashes: list[str]) -> int:
-            await self.router._facts([replica], hashes)  # starts its task on the first call
-            return int(self.router._copy.index.hits(replica, hashes).device)
-
-        return int(self._run(read(page_hashes(prompt, PAGE))))
-
-    def first(self, replicas: list[str], prompt: list[int]) -> str:
-        """Where this router sends ``prompt`` first (no work pending anywhere)."""
-        fake = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=r)) for r in replicas]
-        hashes = page_hashes(prompt, PAGE)
-        ranked = self._run(self.router._ranked(fake, len(prompt), hashes, False))
-        return str(ranked[0][0].replica_id.unique_id)
-
-    def copy_fresh(self) -> bool:
-        """This router's copy was updated within the second (it reads no other then)."""
-        from actors.routing import COPY_FRESH_S
-
-        return bool(time.monotonic() - self.router._copy_at < COPY_FRESH_S)
-
-    def close(self) -> None:
-        async def stop() -> None:
-            if self.router._follower is not None:
-                self.router._follower.cancel()
-
-        self._run(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=30)
-
-
 def test_a_routers_copy_follows_a_replica_whose_ranks_die_and_re_form(
     ray_local: None, two_replicas: int
 ) -> None:
     """A cache router keeps its copy of the index (what every decision reads) while one
-    replica's ranks are killed: once the replica re-forms, the copy holds none of the
-    pages it lost and all of the other replica's, and the router ranks by that; no call
-    fails and the copy never goes stale."""
-    port, follower = two_replicas, _Follower()
+    replica's rank 0 is killed: the replica is down there at once and re-forms with no
+    call to make it; the copy then holds none of the pages it lost and all of the other
+    replica's, and the router ranks by that; no call fails and the copy never goes
+    stale."""
+    port, follower = two_replicas, Follower(PAGE)
     try:  # new conversations go to the emptier replica until the other's pending work shows
         prompts = _spread(
             port, [[(17 * c + 3 * i) % 200 + 1 for i in range(PAGES * PAGE)] for c in range(30)]
@@ -368,10 +324,11 @@ def test_a_routers_copy_follows_a_replica_whose_ranks_die_and_re_form(
         rank0 = [n for n in _live_ranks() if f"-{lost}-" in n and n.endswith("rank0")]
         assert len(rank0) == 1, rank0
         ray.kill(ray.get_actor(rank0[0], namespace="hicache"), no_restart=True)
-        answer = _complete(port, prompts[first] + [5] * PAGE)  # re-forms it: caches empty
-        assert answer["usage"]["prompt_tokens_details"]["hicache"]["replica"] == lost
-        for c in others:
+        for c in [first, *others]:  # down at once, then re-formed: its caches empty
             wait_until(partial(_shows, follower, lost, prompts[c], 0), 60, "the copy's reset")
+        wait_until(lambda: lost not in follower.down(), 120, "the replica re-formed, uncalled")
+        answer = _complete(port, prompts[first] + [5] * PAGE)  # the emptier cache again
+        assert answer["usage"]["prompt_tokens_details"]["hicache"]["replica"] == lost
         for c, prompt in enumerate(prompts):
             if held[c] == kept:
                 assert follower.device(kept, prompt) == PAGES
@@ -396,5 +353,5 @@ def _spread(port: int, prompts: list[list[int]]) -> list[list[int]]:
     raise AssertionError("every first turn went to one replica")
 
 
-def _shows(follower: _Follower, replica: str, prompt: list[int], pages: int) -> bool:
+def _shows(follower: Follower, replica: str, prompt: list[int], pages: int) -> bool:
     return follower.device(replica, prompt) == pages
