@@ -132,7 +132,7 @@ class RankSet:
         re-forming would, and the next call tries again."""
         try:
             self._reform(seen_generation, cause)
-        except DeploymentError as exc:  # shut down meanwhile, or broken
+        except Exception as exc:  # shut down meanwhile, or broken: no caller to tell
             log.warning("deployment %s: healing failed: %s", self.config.name, exc)
 
     def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
