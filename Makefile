@@ -76,11 +76,13 @@ test-vllm: $(VLLM_STAMP)
 	$(PY_VLLM) -m pytest -q tests/vllm
 
 # The Ray paths once more with Ray's token authentication on, as Ray 2.60 defaults it: a job
-# submitted to a `ray start` cluster, the OpenAI server (Python and CLI), a fresh token.
+# submitted to a `ray start` cluster, the OpenAI server (Python and CLI), a fresh token. A
+# rank killed mid-stream is left out: its re-forming makes actors from the replica as the
+# first forming does, nothing token auth sees otherwise (make unit runs it).
 test-token: $(STAMP)
 	RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$$($(PY) -c "import secrets; print(secrets.token_hex(16))") \
 		$(PY) -m pytest -q tests/examples/test_job.py tests/actors/test_openai_app.py \
-		tests/apps/test_cli_serve.py
+		tests/apps/test_cli_serve.py -k "not a_rank_killed_mid_stream"
 
 test: lint typecheck unit test-token test-vllm
 

@@ -43,6 +43,12 @@ SERVE_OPTIONS: dict[str, tuple[str, str]] = {
         "CPU the connector takes vLLM's vec attention kernels only: float32, or bfloat16 on "
         "a CPU without AMX",
     ),
+    "eager": (
+        "false",
+        "vllm engine only: true runs vLLM eagerly (its enforce_eager: no torch.compile, no "
+        "CUDA graphs): a replica answers its first call in seconds rather than after a "
+        "compile of minutes, and each step runs slower on a GPU",
+    ),
     "tp": ("1", "tensor-parallel size"),
     "pp": ("1", "pipeline-parallel size"),
     "storage": ("ray", "L3 backend: ray (the Ray object store), file, or none"),
@@ -134,10 +140,11 @@ def serve_deployment_config(args: dict[str, str]) -> DeploymentConfig:
     opts = {k: args.get(k, default) for k, (default, _) in SERVE_OPTIONS.items()}
     if opts["engine"] != "hicache":
         raise ConfigError("engine", opts["engine"], "not this engine's", "use hicache here")
-    if opts["dtype"] != "auto":
-        raise ConfigError(
-            "dtype", opts["dtype"], "an option of the vllm engine only", "leave it out here"
-        )
+    for name in VLLM_ONLY:
+        if opts[name] != SERVE_OPTIONS[name][0]:
+            raise ConfigError(
+                name, opts[name], "an option of the vllm engine only", "leave it out here"
+            )
     if not opts["model"]:
         raise ConfigError("model", "", "missing", "give a preset name or a checkpoint directory")
     model = resolve_model(opts["model"])
@@ -269,10 +276,11 @@ def serve_pd(args: dict[str, str]) -> PDServe | None:
 
 
 # The serve options a vLLM cluster takes (the rest configure this library's engine).
-VLLM_OPTIONS = ("model", "engine", "dtype", "tp", "storage", "storage_root", "store",
+VLLM_OPTIONS = ("model", "engine", "dtype", "eager", "tp", "storage", "storage_root", "store",
                 "storage_bytes", "page_size", "cpus_per_rank", "gpus_per_rank", "replicas",
                 "router", "route_weights", "served_name", "keep_store")  # fmt: skip
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VLLM_ONLY = ("dtype", "eager")  # refused by this library's engine
 
 
 def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
@@ -295,9 +303,7 @@ def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
     backend = args.get("storage", "ray")
     if backend not in ("ray", "file"):
         raise ConfigError("storage", backend, "the replicas share pages in L3", "use ray or file")
-    dtype = args.get("dtype", "auto")
-    if dtype not in VLLM_DTYPES:
-        raise ConfigError("dtype", dtype, "not a dtype vLLM computes in", f"use {VLLM_DTYPES}")
+    compute = _vllm_compute(args)
     name = args.get("served_name") or os.path.basename(os.path.normpath(model))
     limit = int(_number("storage_bytes", args.get("storage_bytes", "0"), int))
     tp = int(_number("tp", args.get("tp", "1"), int))
@@ -309,7 +315,7 @@ def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
     else:
         connector["file"] = {"root": args.get("storage_root", ""), "capacity_bytes": limit}
     engine = {
-        "dtype": dtype,
+        **compute,
         "block_size": int(_number("page_size", args.get("page_size", "16"), int)),
         "tensor_parallel_size": tp,
         "enable_prompt_tokens_details": True,  # usage's cached_tokens, as our engine has
@@ -335,3 +341,14 @@ def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
         "weights": weights,
         "bundles": [{k: v for k, v in bundle.items() if v}] * tp,
     }
+
+
+def _vllm_compute(args: dict[str, str]) -> dict[str, Any]:
+    """vLLM's ``dtype`` and ``enforce_eager`` from the serve options ``dtype`` and ``eager``."""
+    dtype = args.get("dtype", "auto")
+    if dtype not in VLLM_DTYPES:
+        raise ConfigError("dtype", dtype, "not a dtype vLLM computes in", f"use {VLLM_DTYPES}")
+    eager = args.get("eager", "false")
+    if eager not in ("true", "false"):
+        raise ConfigError("eager", eager, "not a boolean", "use true or false")
+    return {"dtype": dtype, "enforce_eager": eager == "true"}
