@@ -345,10 +345,10 @@ def vllm_serve_spec(args: dict[str, str]) -> dict[str, Any]:
 
 def _vllm_compute(args: dict[str, str]) -> dict[str, Any]:
     """vLLM's ``dtype`` and ``enforce_eager`` from the serve options ``dtype`` and ``eager``."""
-    dtype = args.get("dtype", "auto")
+    dtype = args.get("dtype", SERVE_OPTIONS["dtype"][0])
     if dtype not in VLLM_DTYPES:
         raise ConfigError("dtype", dtype, "not a dtype vLLM computes in", f"use {VLLM_DTYPES}")
-    eager = args.get("eager", "false")
+    eager = args.get("eager", SERVE_OPTIONS["eager"][0])
     if eager not in ("true", "false"):
         raise ConfigError("eager", eager, "not a boolean", "use true or false")
     return {"dtype": dtype, "enforce_eager": eager == "true"}
